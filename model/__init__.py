@@ -1,0 +1,1 @@
+"""Pure PyTorch implementation of Qwen-Image 2.1. Never imports ComfyUI."""

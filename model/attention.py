@@ -1,0 +1,110 @@
+"""Attention kernels for the block-causal prefill and the cached target steps.
+
+Tensors are `(rows, heads, head_dim)` for one prefix and `(samples, rows, heads, head_dim)` for targets,
+the layout the QKV projection produces; each kernel transposes to SDPA's `(batch, heads, rows, dim)`.
+
+Rule: `(q >= k) or same_image_block`. Text runs are causal, each reference block is bidirectional inside,
+the prefix never reads the target, and the target reads everything. Two prefill backends cover the prefix:
+- "sdpa": one SDPA call per segment. An image segment attends to every key before its end with no mask at
+  all (so the fastest SDPA kernel runs); only the short text runs carry a small causal mask. Exact, needs no
+  compilation; the default.
+- "flex": one `flex_attention` call over the whole prefix, driven by a block mask built once per layout.
+  Fast only when compiled (done automatically on CUDA); on CPU it runs eagerly and is meant for checking.
+The target rows use the same plain attention over `[prefix | target]` in the prefill and in cached steps.
+"""
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .layout import SequenceLayout
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    FLEX_AVAILABLE = True
+except ImportError:  # torch < 2.5
+    create_block_mask = flex_attention = None
+    FLEX_AVAILABLE = False
+
+ATTENTION_BACKENDS = ("sdpa", "flex")
+
+
+def _sdpa(q, k, v, mask=None):
+    """SDPA on `(B, rows, heads, dim)` tensors, returning `(B, rows_q, heads, dim)`."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def prefix_attention_sdpa(q, k, v, segments) -> torch.Tensor:
+    """Block-causal attention of one prefix, `(P, heads, dim)` in and out, one SDPA call per segment."""
+    q, k, v = q[None], k[None], v[None]
+    outputs = []
+    for start, end, is_text in segments:
+        mask = None
+        if is_text:
+            # row i of the run sees every key before the run and the run's keys up to itself
+            length = end - start
+            mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        outputs.append(_sdpa(q[:, start:end], k[:, :end], v[:, :end], mask))
+    return torch.cat(outputs, dim=1)[0]
+
+
+_warned_eager_flex = False
+_compiled_flex = None
+
+
+def _flex_kernel(device: torch.device):
+    """Compiled flex_attention on CUDA (an eager one materialises the full score matrix), eager elsewhere."""
+    global _compiled_flex, _warned_eager_flex
+    if device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex
+    if not _warned_eager_flex:
+        warnings.warn(
+            "attention='flex' runs flex_attention uncompiled on this device: exact but slow and memory hungry. "
+            "Use attention='sdpa' unless you are checking the flex path.",
+            stacklevel=3,
+        )
+        _warned_eager_flex = True
+    return flex_attention
+
+
+def flex_block_mask(layout: SequenceLayout, device: torch.device):
+    """The prefix's block-causal mask in flex form; built once per layout and device, reused by every layer."""
+    if not FLEX_AVAILABLE:
+        raise RuntimeError(
+            "attention='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); use attention='sdpa'."
+        )
+    block_ids = layout.block_ids.to(device)
+
+    def block_causal(batch, head, q_idx, kv_idx):
+        same_block = (block_ids[q_idx] == block_ids[kv_idx]) & (block_ids[q_idx] >= 0)
+        return (q_idx >= kv_idx) | same_block
+
+    length = layout.prefix_len
+    return create_block_mask(block_causal, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device)
+
+
+def prefix_attention_flex(q, k, v, block_mask) -> torch.Tensor:
+    """Block-causal attention of one prefix in a single flex_attention call, `(P, heads, dim)` in and out."""
+    kernel = _flex_kernel(q.device)
+    with warnings.catch_warnings():
+        # torch's own "not compiled" notice; ours above says what to do instead
+        warnings.filterwarnings("ignore", message=".*without torch.compile.*")
+        out = kernel(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), block_mask=block_mask)
+    return out.transpose(1, 2)[0]
+
+
+def target_attention(q, k, v, prefix_k, prefix_v) -> torch.Tensor:
+    """Target rows `(S, T, heads, dim)` of S samples sharing one prefix `(P, heads, dim)`: full attention.
+
+    The block-causal rule gives target rows every key, so no mask is needed; the shared prefix is broadcast
+    to the S samples for the call only.
+    """
+    samples = q.shape[0]
+    keys = torch.cat([prefix_k.expand(samples, -1, -1, -1), k], dim=1)
+    values = torch.cat([prefix_v.expand(samples, -1, -1, -1), v], dim=1)
+    return _sdpa(q, keys, values)
