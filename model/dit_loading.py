@@ -107,8 +107,10 @@ def infer_config(tensors: dict[str, TensorInfo], where: str = "checkpoint") -> D
         hidden = tensors["transformer_blocks.0.img_mlp.gate_up.weight"].shape[0] // 2
     else:
         hidden = tensors["transformer_blocks.0.img_mlp.proj.weight"].shape[0]
-    if width % head_dim or hidden % width:
+    if width % head_dim or hidden % width or head_dim % 32:
         raise CheckpointError(f"{where}: width {width}, head size {head_dim} and MLP size {hidden} do not fit together.")
+    # RoPE axes are not in the weights: the release splits its 128-dim heads 16/56/56, i.e. 1/8 + 7/16 + 7/16.
+    rope_axes = (head_dim // 8, head_dim * 7 // 16, head_dim * 7 // 16)
     return DiTConfig(
         in_channels=in_channels,
         out_channels=tensors["proj_out.weight"].shape[0],
@@ -117,6 +119,7 @@ def infer_config(tensors: dict[str, TensorInfo], where: str = "checkpoint") -> D
         head_dim=head_dim,
         context_in_dim=tensors["txt_in.text_norm.weight"].shape[0],
         mlp_ratio=hidden // width,
+        axes_dims_rope=rope_axes,
     )
 
 

@@ -1,7 +1,7 @@
 """Tiny random Qwen-Image 2.1 DiTs, loaded identically into diffusers (the oracle) and into ours.
 
-Shapes keep the real model's structure at toy size: 3 blocks, 2 heads of 32 (RoPE axes 8/12/12 split the
-head as 16/56/56 splits 128), width 64, text width 48, SwiGLU ratio 3. Every weight, norm scales included,
+Shapes keep the real model's structure at toy size: 3 blocks, 2 heads of 32 (RoPE axes 4/14/14 split the
+head in the released 16/56/56 ratio), width 64, text width 48, SwiGLU ratio 3. Every weight, norm scales included,
 is random, so a mis-mapped or mis-applied tensor cannot hide behind an identity initialisation.
 """
 
@@ -13,7 +13,7 @@ from qi21.model.dit_loading import convert_state_dict
 from qi21.model.layout import build_layout
 
 TINY = dict(num_layers=3, num_attention_heads=2, attention_head_dim=32, context_in_dim=48, mlp_ratio=3,
-            axes_dims_rope=(8, 12, 12), in_channels=64, out_channels=64)
+            axes_dims_rope=(4, 14, 14), in_channels=64, out_channels=64)
 
 
 def tiny_pair(seed: int = 0, causal_condition: bool = True):
@@ -27,7 +27,7 @@ def tiny_pair(seed: int = 0, causal_condition: bool = True):
             else:
                 param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
     config = DiTConfig(num_layers=3, num_heads=2, head_dim=32, context_in_dim=48, mlp_ratio=3,
-                       axes_dims_rope=(8, 12, 12), causal_condition=causal_condition)
+                       axes_dims_rope=(4, 14, 14), causal_condition=causal_condition)
     ours = QwenImage21DiT(config)
     ours.load_state_dict(convert_state_dict(reference.state_dict()))
     return reference, ours.eval()
