@@ -10,7 +10,7 @@ the prefix never reads the target, and the target reads everything. Two prefill 
   compilation; the default.
 - "flex": one `flex_attention` call over the whole prefix, driven by a block mask built once per layout.
   Fast only when compiled (done automatically on CUDA); on CPU it runs eagerly and is meant for checking.
-The target rows use the same plain attention over `[prefix | target]` in the prefill and in cached steps.
+The target rows use the same full attention over `[prefix | target]` in the prefill and in cached steps.
 """
 
 import warnings
@@ -98,13 +98,33 @@ def prefix_attention_flex(q, k, v, block_mask) -> torch.Tensor:
     return out.transpose(1, 2)[0]
 
 
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attention_with_lse(q, k, v):
+    """`(out (B, H, Lq, D), logsumexp (B, H, Lq))` on `(B, rows, H, D)` inputs, from torch's CPU flash kernel."""
+    out, lse = _flash_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out, lse
+
+
 def target_attention(q, k, v, prefix_k, prefix_v) -> torch.Tensor:
     """Target rows `(S, T, heads, dim)` of S samples sharing one prefix `(P, heads, dim)`: full attention.
 
-    The block-causal rule gives target rows every key, so no mask is needed; the shared prefix is broadcast
-    to the S samples for the call only.
+    The block-causal rule gives target rows every key, so no mask is needed. On CPU the prefix is never
+    concatenated with the target keys: the S samples' queries, folded into one sequence, attend to the shared
+    prefix in one call, each sample attends to its own target keys in another, and the two partial results are
+    merged exactly through their log-sum-exps. Elsewhere the prefix is broadcast and concatenated per call.
     """
-    samples = q.shape[0]
-    keys = torch.cat([prefix_k.expand(samples, -1, -1, -1), k], dim=1)
-    values = torch.cat([prefix_v.expand(samples, -1, -1, -1), v], dim=1)
-    return _sdpa(q, keys, values)
+    samples, length, heads, dim = q.shape
+    if _flash_with_lse is None or q.device.type != "cpu" or prefix_k.shape[0] == 0:
+        keys = torch.cat([prefix_k.expand(samples, -1, -1, -1), k], dim=1)
+        values = torch.cat([prefix_v.expand(samples, -1, -1, -1), v], dim=1)
+        return _sdpa(q, keys, values)
+    # (1, S*T, H, D) against the prefix: every sample reads the same keys
+    out_p, lse_p = _attention_with_lse(q.reshape(1, samples * length, heads, dim), prefix_k[None], prefix_v[None])
+    out_p = out_p.view(heads, samples, length, dim).transpose(0, 1)  # (S, H, T, D)
+    lse_p = lse_p.view(heads, samples, length).transpose(0, 1)  # (S, H, T)
+    out_t, lse_t = _attention_with_lse(q, k, v)  # (S, H, T, D), (S, H, T)
+    # softmax over both key sets = weighted mean of the partial results, weight sigmoid(lse_p - lse_t)
+    merged = torch.lerp(out_t, out_p, torch.sigmoid(lse_p - lse_t)[..., None].to(out_t.dtype))
+    return merged.transpose(1, 2)

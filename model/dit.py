@@ -237,10 +237,11 @@ class QwenImage21DiT(nn.Module):
         last = index == config.num_layers - 1
 
         qkv = block.qkv(self._modulate(self._layer_norm(x), scale1, rows, prefix_rows))
-        q, k, v = qkv.unflatten(-1, (3, heads, head_dim)).unbind(1)  # (N, H, D) each
-        q = head_rms_norm(q, block.norm_q, config.eps).to(v.dtype)
-        k = head_rms_norm(k, block.norm_k, config.eps).to(v.dtype)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = qkv.unflatten(-1, (3, heads, head_dim))  # (N, 3, H, D)
+        # q and k are normed and rotated together: one pass over both instead of two
+        qk = head_rms_norm(qkv[:, :2], torch.stack([block.norm_q, block.norm_k])[:, None], config.eps)
+        qk = apply_rope(qk.to(qkv.dtype), rope)
+        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]  # (N, H, D) each
 
         # The last block needs the prefix rows only as keys and values: drop them before anything else.
         first_out = rows.target_start if last else 0
@@ -342,14 +343,14 @@ class QwenImage21DiT(nn.Module):
         with_prefix = mode != "cached"
         rows = _Rows([p.layout.prefix_len for p in prefixes], samples, target_len, groups, with_prefix)
         tables = [self._rope_tables(p.layout, device) for p in prefixes]
-        target_rope = [torch.stack([tables[g]["target"][i] for g in sample_prefix]).flatten(0, 1) for i in range(2)]
+        target_rope = torch.cat([tables[g]["target"] for g in sample_prefix])
         parts = [self.img_in(target.to(dtype)).flatten(0, 1)]
-        rope_parts = [target_rope]
+        rope_parts = [target_rope]  # (rows, head_dim / 2) complex, in row-buffer order
         if with_prefix:
             parts = [self._embed_prefix(p, dtype, device) for p in prefixes] + parts
             rope_parts = [table["prefix"] for table in tables] + rope_parts
         x = torch.cat(parts) if len(parts) > 1 else parts[0]
-        rope = tuple(torch.cat([part[i] for part in rope_parts]) for i in range(2))
+        rope = torch.cat(rope_parts) if len(rope_parts) > 1 else rope_parts[0]
 
         if mode == "prefill":
             cache.allocate(rows_prefix_lens(prefixes), config.num_layers, config.num_heads, config.head_dim, dtype, device)

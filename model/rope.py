@@ -8,8 +8,8 @@ range the angles are the same fp32 products diffusers tabulates.
 import torch
 
 
-def rope_angles(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: float = 10000.0):
-    """Return `(cos, sin)`, each `(N, sum(axes_dims) // 2)` fp32, for `positions` `(N, len(axes_dims))` ids.
+def rope_angles(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: float = 10000.0) -> torch.Tensor:
+    """`(N, sum(axes_dims) // 2)` complex64 rotations `exp(i * angle)` for `positions` `(N, len(axes_dims))`.
 
     Axis `a` contributes `axes_dims[a] // 2` frequencies `theta ** (-2k / axes_dims[a])`, in axis order, so
     the pairs line up with the interleaved channel pairs of a head (16/56/56 -> 8 + 28 + 28 = 64 pairs).
@@ -17,20 +17,17 @@ def rope_angles(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: floa
     angles = []
     for axis, dim in enumerate(axes_dims):
         inv_freq = 1.0 / torch.pow(theta, torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
-        angles.append(positions[:, axis].to(torch.float32)[:, None] * inv_freq[None, :])
+        angles.append(torch.outer(positions[:, axis].to(torch.float32), inv_freq))
     angles = torch.cat(angles, dim=-1)
-    return torch.cos(angles), torch.sin(angles)
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs `(x[2k], x[2k+1])` of `x` `(..., N, heads, head_dim)` in fp32.
+def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs `(x[2k], x[2k+1])` of `x` `(N, ..., head_dim)` in fp32 complex.
 
-    `cos`/`sin` are `(N, head_dim // 2)`; the result has `x`'s dtype (the rotation itself runs in fp32, as the
-    reference does with complex numbers).
+    `rotations` is `(N, head_dim // 2)` complex; the result is contiguous in `x`'s dtype. One complex
+    multiply, as the reference does, so the fp32 arithmetic is the same.
     """
-    pairs = x.float().unflatten(-1, (-1, 2))  # (..., N, H, D/2, 2)
-    real, imag = pairs.unbind(-1)
-    cos = cos[:, None, :]  # (N, 1, D/2): broadcast over heads
-    sin = sin[:, None, :]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (N, ..., D/2)
+    shape = (rotations.shape[0],) + (1,) * (pairs.ndim - 2) + (rotations.shape[1],)
+    return torch.view_as_real(pairs * rotations.view(shape)).flatten(-2).to(x.dtype)

@@ -1,0 +1,134 @@
+"""DiT step benchmark: ours vs diffusers 0.42.1 on the same weights, in one run, ratios printed.
+
+Scaled shape that keeps the released model's ratios: heads of 128, width 1024 (8 heads), SwiGLU x3, text
+width = model width, ~75 text tokens, a 1024-token (512x512) target, and 0, 1 or 2 references of 1024
+tokens. Only the layer count is cut (`--layers`), which scales every time alike.
+
+For each reference count it times, interleaving ours and diffusers' calls and taking medians:
+- prefill: the first step, which runs the whole sequence and fills the prefix cache;
+- cached step: a later step that runs only the target rows against the cache;
+- our uncached/cached time ratio next to the ratio FlopCounterMode predicts for our two forwards.
+
+    python benchmarks/bench_dit.py [--layers 4] [--repeats 5] [--threads N]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _pack import import_pack  # noqa: E402
+
+import_pack()
+from qi21.model.dit import DiTConfig, PrefixInputs, QwenImage21DiT  # noqa: E402
+from qi21.model.dit_loading import convert_state_dict  # noqa: E402
+from qi21.model.layout import build_layout  # noqa: E402
+from qi21.model.prefix_cache import PrefixKVCache  # noqa: E402
+
+TEXT_TOKENS = 75
+TARGET = (32, 32)  # latent tokens: 512x512 px
+REFERENCE = (32, 32)
+
+
+def build_models(layers: int):
+    from diffusers import QwenImage21Transformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    torch.manual_seed(0)
+    reference = QwenImage21Transformer2DModel(num_layers=layers, num_attention_heads=8, attention_head_dim=128,
+                                              context_in_dim=1024, mlp_ratio=3).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0, 0.02)
+    config = DiTConfig(num_layers=layers, num_heads=8, head_dim=128, context_in_dim=1024, mlp_ratio=3)
+    ours = QwenImage21DiT(config)
+    ours.load_state_dict(convert_state_dict(reference.state_dict()))
+    return reference, ours.eval(), QwenImage21KVCache
+
+
+def build_inputs(references: int):
+    """Template-like prompt: 20 tokens, then each reference's slots, then the rest of the ~75 text tokens."""
+    slots = [False] * 20
+    for _ in range(references):
+        slots += [True] * (REFERENCE[0] * REFERENCE[1] // 4) + [False] * 3
+    slots += [False] * (TEXT_TOKENS - slots.count(False))
+    slot_mask = torch.tensor(slots)
+    text = torch.randn(1, len(slots), 1024)
+    ref_latents = torch.randn(1, references * REFERENCE[0] * REFERENCE[1], 64)
+    target = torch.randn(1, TARGET[0] * TARGET[1], 64)
+    layout = build_layout(slot_mask, [REFERENCE] * references, TARGET)
+    prefix = PrefixInputs(layout=layout, text=text[0], references=ref_latents[0] if references else None)
+    reference_kwargs = dict(
+        hidden_states=torch.cat([ref_latents, target], dim=1),
+        encoder_hidden_states=text,
+        img_shapes=[[(1, *REFERENCE)] * references + [(1, *TARGET)]],
+        img_mask=torch.cat([slot_mask, torch.ones(TARGET[0] * TARGET[1] // 4, dtype=torch.bool)])[None],
+    )
+    return prefix, target, reference_kwargs
+
+
+def timed(fn, repeats):
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def flops(fn) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reference, ours, ReferenceCache = build_models(args.layers)
+    t = torch.tensor([0.8])
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, {args.layers} layers, "
+          f"width 1024, heads 8x128, target {TARGET[0] * TARGET[1]} tokens, text {TEXT_TOKENS} tokens, "
+          f"median of {args.repeats}")
+    header = ("refs", "prefix", "prefill ours/diffusers", "cached ours/diffusers", "ours uncached/cached",
+              "FLOP-predicted", "measured/predicted", "cache MiB ours", "cache MiB diffusers")
+    print(" | ".join(header))
+    for references in (0, 1, 2):
+        prefix, target, kwargs = build_inputs(references)
+        ours_cache, ref_cache = PrefixKVCache(), ReferenceCache(args.layers)
+        with torch.inference_mode():
+            ours_prefill = lambda: ours(target, t, [prefix], cache=ours_cache, mode="prefill")  # noqa: E731
+            ref_prefill = lambda: reference(timestep=t, kv_cache=ref_cache, kv_cache_mode="extract", **kwargs)  # noqa: E731
+            ours_cached = lambda: ours(target, t, [prefix], cache=ours_cache, mode="cached")  # noqa: E731
+            ref_cached = lambda: reference(timestep=t, kv_cache=ref_cache, kv_cache_mode="cached", **kwargs)  # noqa: E731
+            ours_uncached = lambda: ours(target, t, [prefix])  # noqa: E731
+            for warm in (ours_prefill, ref_prefill, ours_cached, ref_cached):
+                warm()
+            times = {name: [] for name in ("op", "rp", "oc", "rc", "ou")}
+            for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
+                for name, fn in (("op", ours_prefill), ("rp", ref_prefill), ("oc", ours_cached),
+                                 ("rc", ref_cached), ("ou", ours_uncached)):
+                    times[name].append(timed(fn, 1))
+            med = {name: statistics.median(values) for name, values in times.items()}
+            predicted = flops(ours_uncached) / flops(ours_cached)
+        ref_bytes = sum(c.k.numel() * c.k.element_size() * 2 for c in ref_cache.layer_caches)
+        measured = med["ou"] / med["oc"]
+        print(f"{references} | {prefix.layout.prefix_len} | {med['op'] / med['rp']:.3f} "
+              f"({med['op'] * 1e3:.0f} vs {med['rp'] * 1e3:.0f} ms) | {med['oc'] / med['rc']:.3f} "
+              f"({med['oc'] * 1e3:.0f} vs {med['rc'] * 1e3:.0f} ms) | {measured:.2f} | {predicted:.2f} | "
+              f"{measured / predicted:.2f} | {ours_cache.nbytes / 2**20:.1f} | {ref_bytes / 2**20:.1f}")
+
+
+if __name__ == "__main__":
+    main()
