@@ -1,0 +1,81 @@
+"""Prefix caches kept between runs (`keep_cache`), bounded by a memory budget.
+
+A second run with the same model and the same conditioning (another seed, another size, another batch size:
+the prefix never reads the target) finds its cache here and skips the prefill entirely. Entries are keyed by
+the model's identity and the conditioning's content, evicted least-recently-used to stay inside the budget,
+dropped when their model is garbage-collected, and cleared on request (ComfyUI's "free memory").
+"""
+
+import threading
+import weakref
+from collections import OrderedDict
+
+from .prefix_cache import PrefixKVCache
+
+DEFAULT_BUDGET_BYTES = 8 * 2**30  # ~16k prefix tokens of the full model in bf16 (0.5 MiB per token)
+
+
+class PrefixCacheStore:
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
+        self.budget_bytes = int(budget_bytes)
+        self._entries: OrderedDict[tuple, PrefixKVCache] = OrderedDict()
+        self._watched: set[int] = set()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(model, *fingerprints, dtype=None) -> tuple:
+        return (id(model), str(dtype), *fingerprints)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache.nbytes for cache in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, key) -> PrefixKVCache | None:
+        """Remove and return the entry for `key` (the run owns it while it samples), or None."""
+        with self._lock:
+            return self._entries.pop(key, None)
+
+    def put(self, key, cache: PrefixKVCache, model) -> bool:
+        """Keep `cache` under `key`, evicting the least recently used entries to fit the budget.
+
+        Returns False (and frees the cache) when it alone exceeds the budget.
+        """
+        with self._lock:
+            if cache.nbytes > self.budget_bytes:
+                cache.free()
+                return False
+            self._entries.pop(key, None)
+            self._entries[key] = cache
+            while self.nbytes > self.budget_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                evicted.free()
+            if id(model) not in self._watched:
+                self._watched.add(id(model))
+                # the finaliser holds the store weakly: a model must not keep a discarded store alive
+                weakref.finalize(model, _evict_from, weakref.ref(self), id(model))
+            return True
+
+    def evict_model(self, model_id: int) -> None:
+        """Drop every entry made by the model with this id (it was unloaded)."""
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == model_id]:
+                self._entries.pop(key).free()
+            self._watched.discard(model_id)
+
+    def clear(self) -> None:
+        with self._lock:
+            for cache in self._entries.values():
+                cache.free()
+            self._entries.clear()
+
+
+def _evict_from(store_ref, model_id: int) -> None:
+    store = store_ref()
+    if store is not None:
+        store.evict_model(model_id)
+
+
+DEFAULT_STORE = PrefixCacheStore()

@@ -1,0 +1,276 @@
+"""Whole sampling loops against a loop built from diffusers' transformer and scheduler (same weights, noise
+and embeddings), and the prefix cache's lifetime across steps and runs."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+from dit_fixtures import tiny_pair
+from qi21.model.cache_store import PrefixCacheStore
+from qi21.model.conditioning import Conditioning
+from qi21.model.prefix_cache import PrefixKVCache
+from qi21.model.sampling import initial_noise, sample
+from qi21.model.schedule import base_sigmas, turbo_sigmas, TURBO_SIGMAS
+
+WIDTH, HEIGHT = 512, 768  # latent 48 x 32 (w x h)
+LATENT = (HEIGHT // 16, WIDTH // 16)
+TOL = 1e-4
+BASE_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                      base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                      time_shift_type="exponential")
+TURBO_SCHEDULER = dict(BASE_SCHEDULER, use_dynamic_shifting=False, shift_terminal=None)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_pair()
+
+
+def conditioning(ref_shapes=(), text_before=(6,), seed=3):
+    """A prompt with `text_before[i]` text tokens before reference i and the last entry after them all."""
+    generator = torch.Generator().manual_seed(seed)
+    slots = []
+    for run, shape in zip(text_before, list(ref_shapes) + [None]):
+        slots += [False] * run
+        if shape:
+            slots += [True] * (shape[0] * shape[1] // 4)
+    refs = sum(h * w for h, w in ref_shapes)
+    return Conditioning(
+        text=torch.randn(len(slots), 48, generator=generator),
+        image_slots=torch.tensor(slots),
+        references=torch.randn(refs, 64, generator=generator) if refs else None,
+        ref_shapes=tuple(ref_shapes),
+    )
+
+
+TWO_REFS = dict(ref_shapes=((8, 8), (6, 10)), text_before=(5, 2, 7))
+
+
+def diffusers_loop(transformer, cond, noise, grid, scheduler_config, negative=None, cfg=1.0, use_cache=True,
+                   record=None):
+    """The reference pipeline's denoising loop, written out on diffusers' own transformer and scheduler."""
+    batch = noise.shape[0]
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    tokens = LATENT[0] * LATENT[1]
+    mu = 0.5 + (0.9 - 0.5) * (tokens - 256) / (8192 - 256)
+    scheduler.set_timesteps(sigmas=np.array(grid, dtype=np.float64), mu=mu)
+    latents = noise.flatten(2).transpose(1, 2)
+    img_shapes = [[(1, h, w) for h, w in cond.ref_shapes] + [(1, *LATENT)]] * batch
+
+    def branch(c):
+        mask = torch.cat([c.image_slots, torch.ones(tokens // 4, dtype=torch.bool)])[None].expand(batch, -1)
+        return dict(encoder_hidden_states=c.text[None].expand(batch, -1, -1), img_mask=mask, img_shapes=img_shapes)
+
+    branches = [(branch(cond), QwenImage21KVCache(3))] + ([(branch(negative), QwenImage21KVCache(3))] if negative else [])
+    for i, t in enumerate(scheduler.timesteps):
+        if record is not None:
+            record.append(latents)
+        x = latents if cond.references is None else torch.cat([cond.references[None].expand(batch, -1, -1), latents], 1)
+        preds = []
+        for kwargs, cache in branches:
+            mode = ("extract" if i == 0 else "cached") if use_cache else None
+            out = transformer(hidden_states=x, timestep=t.expand(batch).to(x.dtype) / 1000, return_dict=False,
+                              kv_cache=cache if use_cache else None, kv_cache_mode=mode, **kwargs)[0]
+            preds.append(out[:, -tokens:])
+        v = preds[0] if len(preds) == 1 else preds[1] + cfg * (preds[0] - preds[1])
+        latents = scheduler.step(v, t, latents, return_dict=False)[0]
+    return latents.transpose(1, 2).reshape(batch, 64, *LATENT)
+
+
+@pytest.mark.parametrize("steps", [8, 40])
+@pytest.mark.parametrize("refs", ["t2i", "two_references"])
+def test_base_loop_matches_diffusers(models, steps, refs):
+    reference, ours = models
+    cond = conditioning(**(TWO_REFS if refs == "two_references" else {}))
+    noise = initial_noise(7, 1, HEIGHT, WIDTH)
+    grid = np.linspace(1.0, 1 / steps, steps)
+    with torch.no_grad():
+        expected = diffusers_loop(reference, cond, noise, grid, BASE_SCHEDULER)
+        got = sample(ours, cond, sigmas=base_sigmas(steps, WIDTH, HEIGHT), width=WIDTH, height=HEIGHT, noise=noise)
+    torch.testing.assert_close(got.latents, expected, rtol=0, atol=TOL)
+    assert got.report["cache"] == "miss" and got.report["steps"] == steps
+
+
+def test_turbo_loop_matches_diffusers(models):
+    reference, ours = models
+    cond = conditioning(**TWO_REFS)
+    noise = initial_noise(11, 1, HEIGHT, WIDTH)
+    with torch.no_grad():
+        expected = diffusers_loop(reference, cond, noise, list(TURBO_SIGMAS), TURBO_SCHEDULER)
+        got = sample(ours, cond, sigmas=turbo_sigmas(), width=WIDTH, height=HEIGHT, noise=noise)
+    torch.testing.assert_close(got.latents, expected, rtol=0, atol=TOL)
+
+
+def test_cached_and_uncached_loops_agree(models):
+    _, ours = models
+    cond = conditioning(**TWO_REFS)
+    kwargs = dict(sigmas=base_sigmas(12, WIDTH, HEIGHT), width=WIDTH, height=HEIGHT, seed=5)
+    with torch.no_grad():
+        on, off = sample(ours, cond, **kwargs), sample(ours, cond, prefix_cache=False, **kwargs)
+    torch.testing.assert_close(on.latents, off.latents, rtol=0, atol=TOL)
+    assert off.report["cache"] == "off" and off.report["cache_bytes"] == 0
+
+
+def test_teacher_forced_replay_cached_velocity_equals_uncached(models):
+    """Along the reference trajectory, every cached step's velocity equals the uncached one (<= 2e-5)."""
+    reference, ours = models
+    cond = conditioning(**TWO_REFS)
+    noise = initial_noise(2, 1, HEIGHT, WIDTH)
+    trajectory = []
+    with torch.no_grad():
+        diffusers_loop(reference, cond, noise, np.linspace(1.0, 1 / 10, 10), BASE_SCHEDULER, use_cache=False,
+                       record=trajectory)
+        sigmas = base_sigmas(10, WIDTH, HEIGHT)
+        prefix = [type_prefix(cond)]
+        cache = PrefixKVCache()
+        for i, x in enumerate(trajectory):
+            t = sigmas[i].reshape(1)
+            with_cache = ours(x, t, prefix, cache=cache, mode="prefill" if i == 0 else "cached")
+            torch.testing.assert_close(with_cache, ours(x, t, prefix), rtol=0, atol=2e-5)
+
+
+def type_prefix(cond):
+    from qi21.model.dit import PrefixInputs
+
+    return PrefixInputs(layout=cond.layout(LATENT), text=cond.text, references=cond.references)
+
+
+def test_cfg_batched_equals_diffusers_two_passes(models):
+    reference, ours = models
+    positive = conditioning(**TWO_REFS, seed=3)
+    negative = conditioning(ref_shapes=TWO_REFS["ref_shapes"], text_before=(5, 2, 2), seed=4)
+    negative = Conditioning(negative.text, negative.image_slots, positive.references, positive.ref_shapes)
+    noise = initial_noise(9, 2, HEIGHT, WIDTH)
+    with torch.no_grad():
+        expected = diffusers_loop(reference, positive, noise, np.linspace(1.0, 1 / 6, 6), BASE_SCHEDULER,
+                                  negative=negative, cfg=4.0)
+        got = sample(ours, positive, negative=negative, cfg=4.0, sigmas=base_sigmas(6, WIDTH, HEIGHT),
+                     width=WIDTH, height=HEIGHT, noise=noise)
+    torch.testing.assert_close(got.latents, expected, rtol=0, atol=TOL)
+    assert got.report["prefix_tokens"] == positive.layout(LATENT).prefix_len + negative.layout(LATENT).prefix_len
+
+
+def test_batch_of_three_seeds_equals_three_single_runs(models):
+    _, ours = models
+    cond = conditioning(**TWO_REFS)
+    noise = initial_noise(4, 3, HEIGHT, WIDTH)
+    kwargs = dict(sigmas=base_sigmas(5, WIDTH, HEIGHT), width=WIDTH, height=HEIGHT)
+    with torch.no_grad():
+        batch = sample(ours, cond, noise=noise, **kwargs)
+        singles = torch.cat([sample(ours, cond, noise=noise[i : i + 1], **kwargs).latents for i in range(3)])
+    torch.testing.assert_close(batch.latents, singles, rtol=0, atol=TOL)
+    assert batch.report["cache_bytes"] == sample(ours, cond, noise=noise[:1], **kwargs).report["cache_bytes"]
+
+
+def test_noise_follows_the_cpu_generator_convention():
+    noise = initial_noise(123, 2, 100, 70)  # floored to 96 x 64 px
+    assert noise.shape == (2, 64, 6, 4) and noise.dtype == torch.float32
+    torch.testing.assert_close(noise, torch.randn(2, 64, 6, 4, generator=torch.Generator().manual_seed(123)))
+
+
+def _count_prefills(model):
+    calls = []
+    original = PrefixKVCache.allocate
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    return calls, counting
+
+
+def test_kept_cache_skips_the_prefill_and_gives_the_same_result(models, monkeypatch):
+    _, ours = models
+    store = PrefixCacheStore(budget_bytes=2**30)
+    cond = conditioning(**TWO_REFS)
+    calls, counting = _count_prefills(ours)
+    monkeypatch.setattr(PrefixKVCache, "allocate", counting)
+    kwargs = dict(sigmas=base_sigmas(6, WIDTH, HEIGHT), width=WIDTH, height=HEIGHT, store=store)
+    with torch.no_grad():
+        first = sample(ours, cond, seed=1, keep_cache=True, **kwargs)
+        assert len(calls) == 1 and len(store) == 1 and first.report["cache"] == "miss"
+        second = sample(ours, cond, seed=2, keep_cache=True, **kwargs)
+        assert len(calls) == 1, "the second run must not prefill"
+        assert second.report["cache"] == "hit" and second.report["prefill_seconds"] is None
+        fresh = sample(ours, cond, seed=2, **kwargs)
+        # another size reuses the prefix too: it never reads the target
+        other = sample(ours, cond, seed=2, keep_cache=True, **dict(kwargs, width=256, height=256,
+                                                                    sigmas=base_sigmas(6, 256, 256)))
+    torch.testing.assert_close(second.latents, fresh.latents, rtol=0, atol=TOL)
+    assert other.report["cache"] == "hit" and len(calls) == 2  # `fresh` prefilled (not kept), `other` did not
+
+
+def test_store_stays_inside_its_budget_and_evicts_least_recently_used(models):
+    _, ours = models
+    one = sample(ours, conditioning(seed=1), sigmas=base_sigmas(2, 256, 256), width=256, height=256).report
+    store = PrefixCacheStore(budget_bytes=int(2.5 * one["cache_bytes"]))
+    prompts = [conditioning(seed=s) for s in range(1, 5)]
+    with torch.no_grad():
+        for cond in prompts:
+            sample(ours, cond, sigmas=base_sigmas(2, 256, 256), width=256, height=256, keep_cache=True, store=store)
+            assert store.nbytes <= store.budget_bytes
+    assert len(store) == 2
+    kept = {key[2] for key in store._entries}  # (model id, dtype, fingerprint)
+    assert kept == {prompts[2].fingerprint(), prompts[3].fingerprint()}
+    store.clear()
+    assert len(store) == 0 and store.nbytes == 0
+
+
+def _live_filled_caches():
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is PrefixKVCache and o.filled]
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_interrupt_mid_loop_leaves_no_cache_behind(models, keep):
+    _, ours = models
+    store = PrefixCacheStore()
+    seen = []
+
+    def interrupt(info):
+        seen.append(info.step)
+        assert info.latents.shape == (1, 64, *LATENT) and info.denoised.shape == (1, 64, *LATENT)
+        if info.step == 2:
+            raise Stop
+
+    with torch.no_grad(), pytest.raises(Stop):
+        sample(ours, conditioning(**TWO_REFS), sigmas=base_sigmas(6, WIDTH, HEIGHT), width=WIDTH, height=HEIGHT,
+               keep_cache=keep, store=store, callback=interrupt)
+    assert seen == [0, 1, 2]
+    assert _live_filled_caches() == [] and len(store) == 0
+
+
+def test_report_has_the_contract_keys(models):
+    _, ours = models
+    with torch.no_grad():
+        report = sample(ours, conditioning(**TWO_REFS), sigmas=base_sigmas(3, WIDTH, HEIGHT), width=WIDTH,
+                        height=HEIGHT, batch_size=2).report
+    assert {"prefix_tokens", "target_tokens", "batch", "steps", "cache", "cache_bytes", "cache_device",
+            "prefill_seconds", "step_seconds"} <= report.keys()
+    assert report["target_tokens"] == LATENT[0] * LATENT[1] and report["batch"] == 2
+    assert report["cache_device"] == "cpu" and report["prefill_seconds"] > 0 and report["step_seconds"] > 0
+    assert report["cache_bytes"] == 2 * 3 * 2 * 32 * report["prefix_tokens"] * 4
+
+
+def test_nan_latents_stop_with_the_step_named(models, monkeypatch):
+    _, ours = models
+    from qi21.model import sampling
+
+    real_step, calls = sampling.euler_step, []
+
+    def poisoned(x, v, sigma, sigma_next):
+        calls.append(sigma)
+        return real_step(x, v, sigma, sigma_next) * (float("nan") if len(calls) == 3 else 1.0)
+
+    monkeypatch.setattr(sampling, "euler_step", poisoned)
+    with torch.no_grad(), pytest.raises(sampling.NonFiniteLatentsError, match="step 3 of 6"):
+        sample(ours, conditioning(), sigmas=base_sigmas(6, 256, 256), width=256, height=256)
+    assert _live_filled_caches() == []
