@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pack import import_pack  # noqa: E402
 
 import_pack()
+from qi21.model.conditioning import Conditioning  # noqa: E402
 from qi21.model.dit import DiTConfig, PrefixInputs, QwenImage21DiT  # noqa: E402
 from qi21.model.dit_loading import convert_state_dict  # noqa: E402
-from qi21.model.layout import build_layout  # noqa: E402
 from qi21.model.prefix_cache import PrefixKVCache  # noqa: E402
 
 TEXT_TOKENS = 75
@@ -61,15 +61,16 @@ def build_inputs(references: int):
     text = torch.randn(1, len(slots), 1024)
     ref_latents = torch.randn(1, references * REFERENCE[0] * REFERENCE[1], 64)
     target = torch.randn(1, TARGET[0] * TARGET[1], 64)
-    layout = build_layout(slot_mask, [REFERENCE] * references, TARGET)
-    prefix = PrefixInputs(layout=layout, text=text[0], references=ref_latents[0] if references else None)
+    conditioning = Conditioning(text=text[0], image_slots=slot_mask, references=ref_latents[0] if references else None,
+                                ref_shapes=(REFERENCE,) * references)
+    prefix = PrefixInputs(layout=conditioning.layout(TARGET), text=text[0], references=conditioning.references)
     reference_kwargs = dict(
         hidden_states=torch.cat([ref_latents, target], dim=1),
         encoder_hidden_states=text,
         img_shapes=[[(1, *REFERENCE)] * references + [(1, *TARGET)]],
         img_mask=torch.cat([slot_mask, torch.ones(TARGET[0] * TARGET[1] // 4, dtype=torch.bool)])[None],
     )
-    return prefix, target, reference_kwargs
+    return prefix, target, reference_kwargs, conditioning
 
 
 def timed(fn, repeats):
@@ -105,7 +106,7 @@ def main():
               "FLOP-predicted", "measured/predicted", "cache MiB ours", "cache MiB diffusers")
     print(" | ".join(header))
     for references in (0, 1, 2):
-        prefix, target, kwargs = build_inputs(references)
+        prefix, target, kwargs, _ = build_inputs(references)
         ours_cache, ref_cache = PrefixKVCache(), ReferenceCache(args.layers)
         with torch.inference_mode():
             ours_prefill = lambda: ours(target, t, [prefix], cache=ours_cache, mode="prefill")  # noqa: E731

@@ -6,10 +6,9 @@ import gc
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
-from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
 from dit_fixtures import tiny_pair
+from oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop
 from qi21.model.cache_store import PrefixCacheStore
 from qi21.model.conditioning import Conditioning
 from qi21.model.prefix_cache import PrefixKVCache
@@ -19,10 +18,6 @@ from qi21.model.schedule import base_sigmas, turbo_sigmas, TURBO_SIGMAS
 WIDTH, HEIGHT = 512, 768  # latent 48 x 32 (w x h)
 LATENT = (HEIGHT // 16, WIDTH // 16)
 TOL = 1e-4
-BASE_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                      base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
-                      time_shift_type="exponential")
-TURBO_SCHEDULER = dict(BASE_SCHEDULER, use_dynamic_shifting=False, shift_terminal=None)
 
 
 @pytest.fixture(scope="module")
@@ -48,37 +43,6 @@ def conditioning(ref_shapes=(), text_before=(6,), seed=3):
 
 
 TWO_REFS = dict(ref_shapes=((8, 8), (6, 10)), text_before=(5, 2, 7))
-
-
-def diffusers_loop(transformer, cond, noise, grid, scheduler_config, negative=None, cfg=1.0, use_cache=True,
-                   record=None):
-    """The reference pipeline's denoising loop, written out on diffusers' own transformer and scheduler."""
-    batch = noise.shape[0]
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
-    tokens = LATENT[0] * LATENT[1]
-    mu = 0.5 + (0.9 - 0.5) * (tokens - 256) / (8192 - 256)
-    scheduler.set_timesteps(sigmas=np.array(grid, dtype=np.float64), mu=mu)
-    latents = noise.flatten(2).transpose(1, 2)
-    img_shapes = [[(1, h, w) for h, w in cond.ref_shapes] + [(1, *LATENT)]] * batch
-
-    def branch(c):
-        mask = torch.cat([c.image_slots, torch.ones(tokens // 4, dtype=torch.bool)])[None].expand(batch, -1)
-        return dict(encoder_hidden_states=c.text[None].expand(batch, -1, -1), img_mask=mask, img_shapes=img_shapes)
-
-    branches = [(branch(cond), QwenImage21KVCache(3))] + ([(branch(negative), QwenImage21KVCache(3))] if negative else [])
-    for i, t in enumerate(scheduler.timesteps):
-        if record is not None:
-            record.append(latents)
-        x = latents if cond.references is None else torch.cat([cond.references[None].expand(batch, -1, -1), latents], 1)
-        preds = []
-        for kwargs, cache in branches:
-            mode = ("extract" if i == 0 else "cached") if use_cache else None
-            out = transformer(hidden_states=x, timestep=t.expand(batch).to(x.dtype) / 1000, return_dict=False,
-                              kv_cache=cache if use_cache else None, kv_cache_mode=mode, **kwargs)[0]
-            preds.append(out[:, -tokens:])
-        v = preds[0] if len(preds) == 1 else preds[1] + cfg * (preds[0] - preds[1])
-        latents = scheduler.step(v, t, latents, return_dict=False)[0]
-    return latents.transpose(1, 2).reshape(batch, 64, *LATENT)
 
 
 @pytest.mark.parametrize("steps", [8, 40])
