@@ -1,0 +1,281 @@
+"""The Qwen-Image 2.1 text encoder: Qwen3-VL-8B reading the prompt and the references together.
+
+The language model and vision tower are transformers' own (`Qwen3VLModel`, the body of
+`Qwen3VLForConditionalGeneration` without its LM head, which conditioning never uses); this module only
+builds their inputs and picks their outputs the way the reference pipeline does (diffusers 0.42.1
+`QwenImage21Pipeline._get_qwen_prompt_embeds`, CHECKPOINTS.md 4.4-4.6):
+
+- the prompt goes into a fixed chat template built as a raw string (not through a chat template), with
+  `<imageN><|vision_start|><|image_pad|><|vision_end|>` per reference in the user turn, and each `<|image_pad|>`
+  expanded to one token per 32x32 pixels of that reference;
+- prompts of a batch are left-padded, as the checkpoint was trained;
+- the output is the LAST decoder layer's hidden state BEFORE the final RMSNorm. The model is built with that
+  norm replaced by an identity, so `last_hidden_state` is exactly that state (diffusers hooks the norm to an
+  identity for the same reason: transformers >= 5 returns the normed state in `hidden_states[-1]`);
+- padding is removed and the system turn (14 tokens with the Qwen2 BPE) is dropped, its length derived by
+  tokenizing the system turn alone, as diffusers derives it from the rendered system message;
+- `image_slots` marks the `<|image_pad|>` positions that remain: the DiT puts 2x2 latent tokens of the
+  matching reference at each one.
+
+Loading from files lives in `text_encoder_loading.py`. Image preprocessing uses transformers' PIL/numpy
+Qwen2-VL image processor, never the torchvision "fast" one.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+from torch import nn
+
+from .references import VLM_TOKEN_PIXELS, PreparedReference
+
+#: The system prompt of the Qwen-Image 2.1 templates (diffusers `QwenImage21Pipeline.sys_prompt`).
+SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
+#: The system turn that is tokenized with the prompt and then dropped from the output.
+SYSTEM_TURN = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+IMAGE_PAD = "<|image_pad|>"
+#: Special tokens the templates rely on: each must be a single token of the tokenizer.
+TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", IMAGE_PAD)
+PAD_TOKEN = "<|endoftext|>"  # Qwen's padding token, used when a tokenizer folder does not name one
+
+
+def image_tags(slot_counts: Sequence[int]) -> str:
+    """The user turn's image prefix: `<imageN><|vision_start|>` + slots x `<|image_pad|>` + `<|vision_end|>`.
+
+    References are separated by a single space and the prompt follows the last one with no separator
+    (CHECKPOINTS.md 4.4). Passing 1 per reference gives the unexpanded template.
+    """
+    return " ".join(
+        f"<image{i}><|vision_start|>{IMAGE_PAD * count}<|vision_end|>" for i, count in enumerate(slot_counts, 1)
+    )
+
+
+def prompt_text(prompt: str, slot_counts: Sequence[int] = ()) -> str:
+    """The full templated text for one prompt; `slot_counts` has one entry per reference (empty: text-to-image).
+
+    An empty prompt becomes a single space: Qwen has no BOS token, and this is what the reference encodes.
+    """
+    prompt = prompt or " "
+    return (f"{SYSTEM_TURN}<|im_start|>user\n{image_tags(slot_counts)}{prompt}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedPrompt:
+    """One prompt's conditioning, padding and system turn removed.
+
+    Attributes:
+        embeds: `(L, hidden)` last-decoder-layer states before the final norm, in the model's dtype and device.
+        image_slots: `(L,)` bool, True at the `<|image_pad|>` positions (one per 2x2 latent tokens).
+        token_ids: `(L,)` int64, the kept token ids (for inspection and cache keys).
+    """
+
+    embeds: torch.Tensor
+    image_slots: torch.Tensor
+    token_ids: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedBatch:
+    """Several prompts encoded together (left-padded inside the encoder), as diffusers' `_get_qwen_prompt_embeds`
+    returns them.
+
+    Attributes:
+        prompts: each prompt on its own, exactly as `encode` returns it.
+        embeds: `(B, L_max, hidden)` right-padded with zeros.
+        prompt_mask: `(B, L_max)` bool, True at real tokens. diffusers holds the same values as int64, and
+            `encode_prompt` turns an all-True mask into None.
+        image_slots: `(B, L_max)` bool, False on the padding.
+    """
+
+    prompts: tuple[EncodedPrompt, ...]
+    embeds: torch.Tensor
+    prompt_mask: torch.Tensor
+    image_slots: torch.Tensor
+
+
+def _single_token(tokenizer, text: str) -> int | None:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids[0] if len(ids) == 1 else None
+
+
+def _right_pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    length = max(row.shape[0] for row in rows)
+    out = rows[0].new_zeros((len(rows), length) + tuple(rows[0].shape[1:]))
+    for i, row in enumerate(rows):
+        out[i, : row.shape[0]] = row
+    return out
+
+
+class QwenImageTextEncoder:
+    """Qwen3-VL with its tokenizer and image processor, producing Qwen-Image 2.1 prompt conditioning.
+
+    Args:
+        model: a transformers `Qwen3VLModel` whose `language_model.norm` is an identity (see the module
+            docstring); `text_encoder_loading.load_text_encoder` builds one from files.
+        tokenizer: a Qwen2 BPE tokenizer (transformers `Qwen2Tokenizer`).
+        image_processor: transformers' PIL Qwen2-VL image processor (`Qwen2VLImageProcessorPil`).
+        source: free-form description of where the weights came from, for reports.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, image_processor, source: str = ""):
+        if not isinstance(model.language_model.norm, nn.Identity):
+            raise ValueError(
+                "QwenImageTextEncoder needs the language model's final norm replaced by nn.Identity(): Qwen-Image "
+                "reads the last decoder layer's output before that norm."
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.source = source
+        config = model.config
+        ids = {token: _single_token(tokenizer, token) for token in TEMPLATE_TOKENS}
+        missing = [token for token, token_id in ids.items() if token_id is None]
+        if missing:
+            raise ValueError(
+                f"The tokenizer does not know the special tokens {missing}: it is not a Qwen2/Qwen3 tokenizer. Use "
+                "the Qwen-Image 2.1 `processor/` folder or ComfyUI's `qwen25_tokenizer`."
+            )
+        for token, expected in ((IMAGE_PAD, config.image_token_id), ("<|vision_start|>", config.vision_start_token_id)):
+            if ids[token] != expected:
+                raise ValueError(
+                    f"The tokenizer maps {token} to {ids[token]} but the model expects {expected}: tokenizer and text "
+                    "encoder do not belong together."
+                )
+        self.image_token_id = ids[IMAGE_PAD]
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _single_token(
+            tokenizer, PAD_TOKEN)
+        # Same derivation as diffusers: the length of the tokenized system turn (14 with the Qwen2 BPE).
+        self.system_ids = list(tokenizer(SYSTEM_TURN)["input_ids"])
+        self.drop_tokens = len(self.system_ids)
+        vision = config.vision_config
+        token_pixels = vision.patch_size * vision.spatial_merge_size
+        if token_pixels != VLM_TOKEN_PIXELS:
+            raise ValueError(
+                f"This vision tower makes one image token per {token_pixels}x{token_pixels} pixels; Qwen-Image 2.1 "
+                f"needs {VLM_TOKEN_PIXELS}x{VLM_TOKEN_PIXELS} (patch 16, merge 2) so each covers 2x2 latent tokens."
+            )
+        processor = (image_processor.patch_size, image_processor.merge_size, image_processor.temporal_patch_size)
+        tower = (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
+        if processor != tower:
+            raise ValueError(
+                f"Image processor patch/merge/temporal sizes {processor} do not match the vision tower's {tower}."
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.language_model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.language_model.embed_tokens.weight.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.text_config.hidden_size
+
+    def to(self, device) -> "QwenImageTextEncoder":
+        """Move the weights (e.g. offload to the CPU after encoding); returns self."""
+        self.model.to(device)
+        return self
+
+    # -- inputs ------------------------------------------------------------------------------------------------
+    def _vlm_image(self, reference, index: int) -> tuple[Image.Image, int]:
+        """(RGB image the vision tower reads, slots its latent grid needs) for one reference."""
+        if isinstance(reference, PreparedReference):
+            return reference.vlm_image, reference.vlm_tokens
+        if not isinstance(reference, Image.Image):
+            raise TypeError(
+                f"Reference {index} must be a PreparedReference or a PIL image, got {type(reference).__name__}."
+            )
+        width, height = reference.size
+        if width % VLM_TOKEN_PIXELS or height % VLM_TOKEN_PIXELS:
+            raise ValueError(
+                f"Reference {index} is {width}x{height}; its sides must be multiples of {VLM_TOKEN_PIXELS} so its VLM "
+                "tokens line up with its latent grid. Prepare it with references.prepare_reference()."
+            )
+        if reference.mode == "RGBA":  # the checkpoint saw alpha composited over white
+            flat = Image.new("RGB", reference.size, (255, 255, 255))
+            flat.paste(reference, mask=reference.getchannel("A"))
+            reference = flat
+        return reference.convert("RGB"), (width // VLM_TOKEN_PIXELS) * (height // VLM_TOKEN_PIXELS)
+
+    def _vision_inputs(self, references: Sequence) -> tuple[dict, list[int]]:
+        """Image-processor outputs for the references (once) and each one's slot count, checked against its size."""
+        if not references:
+            return {}, []
+        images, expected = zip(*(self._vlm_image(ref, i) for i, ref in enumerate(references, 1)))
+        features = self.image_processor(images=list(images), return_tensors="pt")
+        grid = features["image_grid_thw"]
+        slots = (grid.prod(-1) // self.image_processor.merge_size**2).tolist()
+        size = self.image_processor.size
+        for i, (image, got, want) in enumerate(zip(images, slots, expected), 1):
+            if got != want:
+                raise ValueError(
+                    f"Reference {i} ({image.width}x{image.height}) gets {got} VLM image tokens but its latent grid "
+                    f"needs {want} (one per 2x2 latent tokens): the vision processor resizes images outside "
+                    f"[{size['shortest_edge']}, {size['longest_edge']}] pixels. Prepare references with "
+                    "references.prepare_reference()."
+                )
+        return {"pixel_values": features["pixel_values"], "image_grid_thw": grid}, slots
+
+    def _token_ids(self, prompt: str, slots: list[int]) -> list[int]:
+        ids = list(self.tokenizer(prompt_text(prompt, slots))["input_ids"])
+        if ids[: self.drop_tokens] != self.system_ids:
+            raise ValueError("The tokenizer splits the system turn differently inside the full prompt; it is not a "
+                             "Qwen2 BPE tokenizer.")
+        count = sum(token == self.image_token_id for token in ids)
+        if count != sum(slots):
+            raise ValueError(
+                f"The prompt {prompt[:60]!r} holds {count - sum(slots)} extra {IMAGE_PAD} token(s); remove special "
+                "tokens from the prompt text."
+            )
+        return ids
+
+    # -- encoding ----------------------------------------------------------------------------------------------
+    @torch.no_grad()  # not inference_mode: callers may update the outputs in place
+    def encode_batch(self, prompts: Sequence[str], references: Sequence = ()) -> EncodedBatch:
+        """Encode several prompts that share the same references (as the reference pipeline does).
+
+        Args:
+            prompts: prompt strings; an empty one is encoded as a single space.
+            references: `PreparedReference`s (or x32-sized PIL images) in `<image1>`..`<imageN>` order.
+        """
+        if isinstance(prompts, str) or not prompts:
+            raise ValueError("encode_batch takes a non-empty list of prompts; use encode() for one.")
+        device = self.device
+        vision, slots = self._vision_inputs(references)
+        rows = [self._token_ids(prompt, slots) for prompt in prompts]
+        length = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for b, row in enumerate(rows):  # left padding
+            input_ids[b, length - len(row):] = torch.tensor(row, dtype=torch.long)
+            attention_mask[b, length - len(row):] = 1
+        inputs = {
+            "input_ids": input_ids.to(device),
+            "attention_mask": attention_mask.to(device),
+            # text 0, image 1: what transformers' processor returns; it drives the 3D (M-RoPE) positions
+            "mm_token_type_ids": (input_ids == self.image_token_id).long().to(device),
+        }
+        if vision:  # every prompt carries the same images, one set per prompt, in placeholder order
+            inputs["pixel_values"] = vision["pixel_values"].repeat(len(rows), 1).to(device)
+            inputs["image_grid_thw"] = vision["image_grid_thw"].repeat(len(rows), 1).to(device)
+        hidden = self.model(**inputs, use_cache=False).last_hidden_state  # (B, length, hidden), norm is identity
+        encoded = []
+        for b, row in enumerate(rows):
+            keep = slice(length - len(row) + self.drop_tokens, length)
+            ids = input_ids[b, keep].to(device)
+            encoded.append(EncodedPrompt(embeds=hidden[b, keep].clone(), image_slots=ids == self.image_token_id,
+                                         token_ids=ids))
+        embeds = _right_pad([e.embeds for e in encoded])
+        prompt_mask = _right_pad([torch.ones_like(e.image_slots) for e in encoded])
+        image_slots = _right_pad([e.image_slots for e in encoded])
+        return EncodedBatch(prompts=tuple(encoded), embeds=embeds, prompt_mask=prompt_mask, image_slots=image_slots)
+
+    def encode(self, prompt: str, references: Sequence = ()) -> EncodedPrompt:
+        """Encode one prompt with its references: `(L, hidden)` states and the `(L,)` image-slot mask."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"encode takes one prompt string, got {type(prompt).__name__}; use encode_batch for lists.")
+        return self.encode_batch([prompt], references).prompts[0]

@@ -1,0 +1,222 @@
+"""A tiny random Qwen3-VL text encoder, written in every file layout we load, a tokenizer for it, and diffusers'
+pipeline around them.
+
+The model keeps the real structure at toy size: 3 decoder layers of width 32 (4 query / 2 KV heads of 16), a
+3-block vision tower of width 128 with 16 heads, patch 16, merge 2 (so one VLM token is still 32x32 pixels) and
+three DeepStack mergers. The values no shape reveals (rope theta, eps, M-RoPE split, DeepStack layers, vision
+heads) follow the rules `text_encoder_loading` applies to a single file, so a single file of this model loads to
+the same config. Every weight is random, norm scales included, so a mis-mapped tensor cannot hide behind an
+identity init.
+
+The tokenizer is generated, never copied: `write_qwen2_tokenizer` trains a small byte-level BPE with the
+`tokenizers` library on `TOKENIZER_CORPUS` (Qwen2's normalizer and pre-tokenizer, so the merges fit the way
+`Qwen2Tokenizer` splits text) and writes it as Qwen's tokenizer folders hold it: vocab.json + merges.txt +
+tokenizer_config.json. Qwen's added tokens keep their real ids (151643 `<|endoftext|>` ... 151655
+`<|image_pad|>` ... 151668 `</think>`): a single file carries no config, so the loader builds a `Qwen3VLConfig`
+whose image/vision token ids are the released ones, and the encoder checks the tokenizer against them. The
+vocabulary is therefore padded to 151643 entries with `<unused N>` tokens that byte-level BPE can never produce
+(a space is never a byte-level symbol), and the model's embedding stays 151936 rows wide like the real one.
+The real Qwen vocabulary is only used by the tests that need it, from the folder `QI21_QWEN_TOKENIZER` names.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # Qwen2Tokenizer's pre-tokenizer split
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.processing_utils import ProcessorMixin
+
+from qi21.model.text_encoder import SYSTEM_PROMPT
+from qi21.model.text_encoder_loading import IMAGE_PROCESSOR_DEFAULTS
+
+#: Test setting (read by the tests only): a folder with the real Qwen2 tokenizer (vocab.json + merges.txt +
+#: tokenizer_config.json, e.g. ComfyUI's comfy/text_encoders/qwen25_tokenizer, or tokenizer.json, e.g. the
+#: Qwen-Image 2.1 processor/ folder). Tests that count real Qwen tokens run only when it is set.
+REAL_TOKENIZER_ENV = "QI21_QWEN_TOKENIZER"
+
+#: Qwen2's added tokens at their real ids (id, text, special), as Qwen2/Qwen2.5/Qwen3-VL tokenizers list them.
+QWEN_ADDED_TOKENS = tuple((151643 + i, text, special) for i, (text, special) in enumerate((
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False),
+)))
+FIRST_ADDED_ID = QWEN_ADDED_TOKENS[0][0]
+
+#: What the generated BPE learns from: the template words, the system prompt, the test prompts and some English.
+TOKENIZER_CORPUS = (
+    "system", "user", "assistant", SYSTEM_PROMPT, "<image1> <image2> <image3>",
+    "A cat", "a much longer prompt about <image1> and a dog", "Put <image1> on the left",
+    "<image1> in the style of the last one", "<image1> at dusk", "<image1> on a table", "two",
+    "A photograph of a cat sitting on a wooden table next to a window, soft morning light.",
+    "The dog runs across the green field while the children watch from the hill.",
+    "Render the scene in the style of an old oil painting, with warm colours and visible brush strokes.",
+    "Replace the background with a quiet street at night, keeping the person in the foreground unchanged.",
+    "A red bicycle leans against a brick wall covered in ivy; the shadows are long and the sky is orange.",
+    "Write the words \"OPEN 24 HOURS\" on the neon sign above the door of the small shop.",
+    "Two people are talking in a cafe. One of them holds a cup of coffee, the other one is laughing.",
+    "Make it look like a watercolour illustration for a children's book about the sea and its animals.",
+)
+
+
+def write_qwen2_tokenizer(folder: Path, vocab_size: int = 1024) -> Path:
+    """Train a small byte-level BPE on `TOKENIZER_CORPUS` and write it in Qwen2's file format; returns `folder`.
+
+    vocab.json holds the 256 byte symbols and the learned merges, padded with unreachable `<unused N>` entries to
+    id 151642 so that tokenizer_config.json's added tokens land on their real ids (transformers appends added
+    tokens after the vocabulary instead of honouring the ids it lists).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    vocab, merges = model["vocab"], model["merges"]
+    assert sorted(vocab.values()) == list(range(len(vocab))) and len(vocab) < FIRST_ADDED_ID
+    vocab.update({f"<unused {i}>": i for i in range(len(vocab), FIRST_ADDED_ID)})
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    lines = [" ".join(pair) if isinstance(pair, list) else pair for pair in merges]
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(lines) + "\n", encoding="utf-8")
+    added = {str(i): {"content": text, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": special} for i, text, special in QWEN_ADDED_TOKENS}
+    config = {
+        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
+        "additional_special_tokens": [t for _, t, special in QWEN_ADDED_TOKENS[1:] if special],
+        "bos_token": None, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+        "extra_special_tokens": {}, "model_max_length": 131072, "pad_token": "<|endoftext|>",
+        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return folder
+
+
+def real_tokenizer_dir() -> Path | None:
+    """The folder `QI21_QWEN_TOKENIZER` names, None when unset."""
+    value = os.environ.get(REAL_TOKENIZER_ENV, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+# What a Qwen3-VL chat template renders for a system message (the only thing the pipeline renders with it: it
+# counts the system-turn tokens to drop).
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}{%- if m.content is string %}{{- m.content }}"
+    "{%- else %}{%- for c in m.content %}{%- if c.type == 'text' %}{{- c.text }}{%- endif %}{%- endfor %}"
+    "{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+
+def tiny_config() -> Qwen3VLConfig:
+    text = dict(vocab_size=151936, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=262144,
+                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=3, hidden_size=128, intermediate_size=96, num_heads=16, out_hidden_size=32, patch_size=16,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0, 1, 2])
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+def tiny_reference_model(seed: int = 0) -> Qwen3VLForConditionalGeneration:
+    """transformers' full model (LM head included), fp32, random weights."""
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(tiny_config()).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                is_scale = name.endswith("weight")  # norm scales around 1, biases around 0
+                param.copy_(0.2 * torch.randn_like(param) + (1.0 if is_scale else 0.0))
+            elif "embed_tokens" in name:
+                param.copy_(torch.randn_like(param))
+            else:
+                param.copy_(torch.randn_like(param) / param[0].numel() ** 0.5)
+    return model
+
+
+def comfy_key(key: str) -> str:
+    """transformers' key -> ComfyUI's single-file key (language model flattened under `model.`)."""
+    return key.replace("model.language_model.", "model.", 1)
+
+
+def write_single_file(model, path: Path, layout: str) -> Path:
+    """`layout` "comfyui" (flattened language keys) or "hf" (transformers' names), LM head included."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if layout == "comfyui":
+        state = {comfy_key(k): v for k, v in state.items()}
+    save_file(state, str(path))
+    return path
+
+
+def write_tokenizer(source: Path, folder: Path, style: str) -> None:
+    """The tokenizer in `source` (vocab.json + merges.txt + tokenizer_config.json) written to `folder` as
+    "old": the same three files (older repositories, ComfyUI); "new": tokenizer.json as transformers 5's
+    `save_pretrained` writes it."""
+    if style == "old":
+        shutil.copytree(source, folder, dirs_exist_ok=True)
+    else:
+        Qwen2Tokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(folder))
+
+
+def write_diffusers_folder(model, root: Path, tokenizer_dir: Path, processor_style: str) -> Path:
+    """A `Qwen-Image-2.1/`-style folder: model_index.json, text_encoder/ (2 shards + index), processor/.
+
+    `tokenizer_dir` is the tokenizer to write (see `write_tokenizer`).
+    `processor_style` "old": `preprocessor_config.json` and vocab.json + merges.txt; "new": one
+    `processor_config.json` holding the image processor's settings under "image_processor", and tokenizer.json.
+    """
+    (root / "text_encoder").mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "QwenImage21Pipeline"}))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(root / "text_encoder" / file))
+        weight_map.update({k: file for k in keys})
+    (root / "text_encoder" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model.config.to_json_file(str(root / "text_encoder" / "config.json"))
+    processor = root / "processor"
+    write_tokenizer(tokenizer_dir, processor, processor_style)
+    settings = dict(IMAGE_PROCESSOR_DEFAULTS, image_processor_type="Qwen2VLImageProcessorFast")
+    if processor_style == "old":
+        (processor / "preprocessor_config.json").write_text(json.dumps(settings))
+    else:
+        (processor / "processor_config.json").write_text(json.dumps(
+            {"image_processor": settings, "processor_class": "Qwen3VLProcessor"}))
+    return root
+
+
+def reference_processor(monkeypatch, tokenizer_dir: Path) -> Qwen3VLProcessor:
+    """transformers' `Qwen3VLProcessor` with the tokenizer in `tokenizer_dir`, the PIL image processor and no video
+    processor.
+
+    Its constructor type-checks the video processor against a class that only exists with torchvision, which this
+    project does not install; the check is skipped for that argument alone. Images never reach the video path.
+    """
+    original = ProcessorMixin.check_argument_for_proper_class
+
+    def check(self, name, arg):
+        return None if name == "video_processor" and arg is None else original(self, name, arg)
+
+    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", check)
+    tokenizer = Qwen2Tokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    image_processor = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR_DEFAULTS)
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                            chat_template=CHAT_TEMPLATE)
