@@ -1,12 +1,17 @@
 """Qwen-Image 2.1 for ComfyUI: exact, prefix-cached Base and Turbo sampling.
 
-This file is what ComfyUI imports. It stays tiny and imports nothing heavy: `model/` is plain PyTorch and
-never imports ComfyUI, so the pack and its tests import cleanly without ComfyUI installed.
-
-The ComfyUI nodes (`nodes/`, registered through `comfy_entrypoint`) are not written yet; until they are,
-ComfyUI loads this pack with no nodes.
+This file is what ComfyUI imports. It stays tiny and imports nothing heavy at module level beyond the nodes:
+`model/` is plain PyTorch and never imports ComfyUI, and `nodes/bridge.py` falls back to a stand-in of the
+V3 node API without ComfyUI, so the pack and its tests import cleanly anywhere. No model is loaded here.
 """
 
 WEB_DIRECTORY = "./web"
 
-__all__ = ["WEB_DIRECTORY"]
+try:
+    import comfy_api.latest  # noqa: F401  (present only inside ComfyUI)
+except ImportError:
+    __all__ = ["WEB_DIRECTORY"]
+else:
+    from .nodes import comfy_entrypoint  # noqa: F401
+
+    __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]

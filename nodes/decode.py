@@ -1,0 +1,41 @@
+"""VAE decode into RGB, the alpha as a MASK, and RGBA."""
+
+from ..model.pipeline import decode_images
+from . import bridge
+from .bridge import io
+from .types import CATEGORY, VAE
+
+TILED = {"auto": None, "on": True, "off": False}
+
+
+class QI21VAEDecode(io.ComfyNode):
+    """Decodes raw latents to RGB + alpha: RGB and MASK for the usual nodes, RGBA for transparent PNGs."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="QI21VAEDecode",
+            display_name="Qwen-Image 2.1 VAE Decode",
+            category=CATEGORY,
+            description="Decodes the 64-channel RGBA latents. IMAGE (RGB) and MASK (1 = transparent, ComfyUI's "
+                        "convention) plug into core nodes; the 4-channel IMAGE saves as a transparent PNG with SaveImage.",
+            inputs=[
+                VAE.Input("vae"),
+                io.Latent.Input("samples"),
+                io.Combo.Input("tiled", options=list(TILED), default="auto", optional=True,
+                               tooltip="auto tiles large images (memory bounded by the tile, seams blended); on forces "
+                                       "tiles (least memory), off decodes in one piece (fastest, most memory)."),
+            ],
+            outputs=[io.Image.Output(display_name="IMAGE"), io.Mask.Output(display_name="MASK"),
+                     io.Image.Output(display_name="RGBA")],
+        )
+
+    @classmethod
+    def execute(cls, vae, samples, tiled="auto") -> io.NodeOutput:
+        latents = samples["samples"]
+        if latents.ndim != 4 or latents.shape[1] != vae.config.z_dim:
+            raise ValueError(f"QI21VAEDecode needs Qwen-Image 2.1 latents (B, {vae.config.z_dim}, h, w); got "
+                             f"{tuple(latents.shape)}. Connect a Qwen-Image 2.1 sampler's LATENT.")
+        with bridge.on_device(vae):
+            rgb, mask, rgba = decode_images(vae, latents, tiled=TILED[tiled])
+        return io.NodeOutput(rgb, mask, rgba)

@@ -1,0 +1,138 @@
+"""Loaders for the DiT, the text encoder and the VAE: ComfyUI's model folders plus diffusers repositories.
+
+Models load to the offload device (CPU RAM); the nodes that use them move them to the GPU, making room first.
+"""
+
+import gc
+
+import torch
+
+from ..model.dit_loading import WEIGHT_DTYPES, load_dit
+from ..model.text_encoder_loading import load_text_encoder
+from ..model.vae_loading import load_vae
+from . import bridge
+from .bridge import io
+from .types import CATEGORY, VAE, Model, TextEncoder
+
+
+def _unknown_file(kind: str, name: str) -> str | bool:
+    if name not in bridge.model_choices(kind):
+        return f"{name!r} is not in the {kind} folders; pick a listed file or refresh (R) after copying it there."
+    return True
+
+
+def _load(loader, *args, **kwargs):
+    """Run a loader; on any failure nothing it allocated stays referenced (the error names the file)."""
+    try:
+        return loader(*args, **kwargs)
+    except BaseException:
+        gc.collect()
+        raise
+
+
+class QI21ModelLoader(io.ComfyNode):
+    """The Qwen-Image 2.1 DiT (Base or Turbo), from a ComfyUI single file or a diffusers folder."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="QI21ModelLoader",
+            display_name="Qwen-Image 2.1 Model Loader",
+            category=CATEGORY,
+            description="Loads the 7B Qwen-Image 2.1 DiT. Base and Turbo share the file format; the variant is read "
+                        "from the diffusers model_index.json or the file name and checked by the samplers.",
+            inputs=[
+                io.Combo.Input("model_name", options=bridge.model_choices("diffusion_models"),
+                               tooltip="qwen_image_2.1_bf16.safetensors / qwen_image_2.1_turbo_bf16.safetensors in "
+                                       "models/diffusion_models, or a diffusers Qwen-Image-2.1 folder in models/diffusers."),
+                io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
+                               tooltip="default keeps the file's bf16 (14.2 GB). fp8_e4m3fn stores the block weights in "
+                                       "fp8 (about 7.5 GB) and computes in bf16, at a small quality cost. fp32 doubles "
+                                       "memory and is for checking only."),
+                io.Combo.Input("attention", options=["auto", "sdpa", "flex"], default="auto", optional=True,
+                               tooltip="Prefill attention. auto = sdpa: exact, no compilation. flex runs the block-causal "
+                                       "prefill in one compiled call (CUDA); first use compiles for a while."),
+            ],
+            outputs=[Model.Output(display_name="model")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, model_name, **kwargs):
+        return _unknown_file("diffusion_models", model_name)
+
+    @classmethod
+    def execute(cls, model_name, weight_dtype, attention="auto") -> io.NodeOutput:
+        path = bridge.model_path("diffusion_models", model_name)
+        model = _load(load_dit, path, weight_dtype=weight_dtype, device=bridge.offload_device(), attention=attention)
+        bridge.log.info("qi21: loaded %s (%s layout, variant %s from %s)", path.name, model.source.layout,
+                        model.source.variant, model.source.variant_from)
+        return io.NodeOutput(model)
+
+
+class QI21TextEncoderLoader(io.ComfyNode):
+    """The Qwen3-VL 8B text encoder with its tokenizer and image processor."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="QI21TextEncoderLoader",
+            display_name="Qwen-Image 2.1 Text Encoder Loader",
+            category=CATEGORY,
+            description="Loads Qwen3-VL 8B (qwen3vl_8b_bf16.safetensors or a diffusers folder). The tokenizer comes "
+                        "from the diffusers folder, a tokenizer folder next to the file, or ComfyUI's bundled one.",
+            inputs=[
+                io.Combo.Input("text_encoder_name", options=bridge.model_choices("text_encoders"),
+                               tooltip="qwen3vl_8b_bf16.safetensors in models/text_encoders, or a diffusers "
+                                       "Qwen-Image-2.1 folder in models/diffusers."),
+                io.Combo.Input("weight_dtype", options=["default", "bf16", "fp16", "fp32"], default="default",
+                               tooltip="default keeps the file's bf16 (16.3 GB). fp32 doubles memory for no visible "
+                                       "gain; fp16 is untested on the real weights."),
+                io.Combo.Input("device", options=["default", "cpu"], default="default", optional=True,
+                               tooltip="default encodes on the GPU and offloads the encoder to RAM afterwards. cpu "
+                                       "never touches VRAM but encoding takes tens of seconds."),
+            ],
+            outputs=[TextEncoder.Output(display_name="text_encoder")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, text_encoder_name, **kwargs):
+        return _unknown_file("text_encoders", text_encoder_name)
+
+    @classmethod
+    def execute(cls, text_encoder_name, weight_dtype, device="default") -> io.NodeOutput:
+        path = bridge.model_path("text_encoders", text_encoder_name)
+        encoder = _load(load_text_encoder, path, dtype=weight_dtype, device=bridge.offload_device(),
+                        fallback_tokenizer_dir=bridge.comfy_tokenizer_dir())
+        encoder.preferred_device = torch.device("cpu") if device == "cpu" else None
+        return io.NodeOutput(encoder)
+
+
+class QI21VAELoader(io.ComfyNode):
+    """The 64-channel RGBA VAE (16x compression)."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="QI21VAELoader",
+            display_name="Qwen-Image 2.1 VAE Loader",
+            category=CATEGORY,
+            description="Loads the RGBA VAE (qwen_image_2.1_vae_bf16.safetensors or a diffusers folder).",
+            inputs=[
+                io.Combo.Input("vae_name", options=bridge.model_choices("vae"),
+                               tooltip="qwen_image_2.1_vae_bf16.safetensors in models/vae, or a diffusers "
+                                       "Qwen-Image-2.1 folder in models/diffusers."),
+                io.Combo.Input("weight_dtype", options=["default", "bf16", "fp32"], default="default",
+                               tooltip="default keeps the file's precision (bf16 for an fp16 file: the decoder "
+                                       "overflows fp16). fp32 is exact but twice the memory and slower."),
+            ],
+            outputs=[VAE.Output(display_name="vae")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, vae_name, **kwargs):
+        return _unknown_file("vae", vae_name)
+
+    @classmethod
+    def execute(cls, vae_name, weight_dtype) -> io.NodeOutput:
+        path = bridge.model_path("vae", vae_name)
+        return io.NodeOutput(_load(load_vae, path, weight_dtype=weight_dtype, device=bridge.offload_device()))
