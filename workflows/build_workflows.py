@@ -1,0 +1,482 @@
+"""Writes the example workflows: ComfyUI's UI format in `workflows/*.json` (what the template browser lists and
+the canvas loads) and the same graphs in API format in `workflows/api/*.json` (what POST /prompt takes).
+
+    python workflows/build_workflows.py           write every file
+    python workflows/build_workflows.py --check   exit 1 when a file on disk differs from what this script writes
+
+Our nodes' inputs, widget order and outputs come from their `define_schema()`, so a file can only disagree
+with a schema when it is stale (`--check`, run by tests/test_workflows.py, catches that). Core nodes are
+described by hand in CORE_NODES. Output is deterministic: same code, same bytes.
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PACKAGE = "qi21"  # the name tests/conftest.py registers the repository under; reused here when already loaded
+API_FOLDER = "api"
+
+#: Widget socket types: every other input is a link-only socket (ComfyUI's front end draws widgets for these).
+WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
+#: The extra UI value after a seed (`control_after_generate`); "fixed" so the examples reproduce.
+SEED_CONTROL = "fixed"
+SEED = 42
+
+#: Model files as DESIGN.md section 2 names them (ComfyUI single-file layouts).
+BASE_MODEL = "qwen_image_2.1_bf16.safetensors"
+TURBO_MODEL = "qwen_image_2.1_turbo_bf16.safetensors"
+TEXT_ENCODER = "qwen3vl_8b_bf16.safetensors"
+VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
+
+
+@dataclass(frozen=True)
+class Port:
+    """A link socket (input or output) as the front end names it."""
+    name: str
+    io_type: str
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Widget:
+    name: str
+    io_type: str
+    default: object = None
+    optional: bool = False
+    control_after_generate: bool = False
+    in_api: bool = True  # LoadImage's upload button is saved in the UI form only
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What the front end serialises for one node type: sockets (required, then optional), then widgets in
+    the same order, then outputs. That is the order of ComfyUI's `input_order` and of `widgets_values`."""
+    node_type: str
+    display_name: str
+    sockets: tuple[Port, ...] = ()
+    widgets: tuple[Widget, ...] = ()
+    outputs: tuple[Port, ...] = ()
+    in_api: bool = True          # note nodes live in the front end only
+    widget_sockets: bool = True  # the front end gives each widget an input socket (notes have none)
+
+
+#: Core nodes the examples use, as ComfyUI defines them (nodes.py: LoadImage, SaveImage, PreviewImage;
+#: comfy_extras/nodes_mask.py: MaskPreview; Note and MarkdownNote are front-end-only). The save/preview nodes
+#: pass their input through as an output since ComfyUI #13866; older versions simply show no output socket.
+CORE_NODES = {spec.node_type: spec for spec in (
+    NodeSpec("LoadImage", "Load Image",
+             widgets=(Widget("image", "COMBO"), Widget("upload", "IMAGEUPLOAD", "image", in_api=False)),
+             outputs=(Port("IMAGE", "IMAGE"), Port("MASK", "MASK"))),
+    NodeSpec("SaveImage", "Save Image", sockets=(Port("images", "IMAGE"),),
+             widgets=(Widget("filename_prefix", "STRING", "ComfyUI"),), outputs=(Port("images", "IMAGE"),)),
+    NodeSpec("PreviewImage", "Preview Image", sockets=(Port("images", "IMAGE"),), outputs=(Port("images", "IMAGE"),)),
+    NodeSpec("MaskPreview", "Preview Mask", sockets=(Port("mask", "MASK"),), outputs=(Port("mask", "MASK"),)),
+    NodeSpec("MarkdownNote", "Markdown Note", widgets=(Widget("text", "STRING", ""),), in_api=False,
+             widget_sockets=False),
+    NodeSpec("Note", "Note", widgets=(Widget("text", "STRING", ""),), in_api=False, widget_sockets=False),
+)}
+
+
+def _option(schema_input, key):
+    """A widget option from ComfyUI's V3 input (attributes; a Combo's `options` is its list) or from our
+    stand-in (everything beyond id/default/optional sits in the `options` dict)."""
+    options = getattr(schema_input, "options", None)
+    if isinstance(options, dict):
+        return options.get(key)
+    return options if key == "options" else getattr(schema_input, key, None)
+
+
+def spec_from_schema(schema) -> NodeSpec:
+    """The serialised shape of one of our nodes, from its `define_schema()`."""
+    inputs = sorted(schema.inputs, key=lambda i: bool(i.optional))  # stable: required first, as input_order
+    return NodeSpec(
+        node_type=schema.node_id,
+        display_name=schema.display_name or schema.node_id,
+        sockets=tuple(Port(i.id, i.io_type, bool(i.optional)) for i in inputs if i.io_type not in WIDGET_TYPES),
+        widgets=tuple(Widget(i.id, i.io_type, i.default, bool(i.optional), bool(_option(i, "control_after_generate")))
+                      for i in inputs if i.io_type in WIDGET_TYPES),
+        outputs=tuple(Port(o.display_name or o.io_type, o.io_type) for o in schema.outputs),
+    )
+
+
+def load_specs() -> dict[str, NodeSpec]:
+    """Every node type the examples may use: the pack's (imported as `qi21`, without ComfyUI) and CORE_NODES."""
+    if PACKAGE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(PACKAGE, ROOT / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[PACKAGE] = module
+        spec.loader.exec_module(module)
+    nodes = importlib.import_module(f"{PACKAGE}.nodes")
+    ours = {s.node_type: s for s in (spec_from_schema(n.define_schema()) for n in nodes.NODES)}
+    return {**CORE_NODES, **ours}
+
+
+# -- the graph ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Node:
+    id: int
+    spec: NodeSpec
+    pos: tuple[int, int]
+    size: tuple[int, int]
+    values: dict
+    title: str | None = None
+    inputs: dict = field(default_factory=dict)   # socket name -> link id
+    outputs: dict = field(default_factory=dict)  # output slot -> [link ids]
+
+    def ui_inputs(self) -> list[tuple[str, str, bool, bool]]:
+        """(name, type, is_widget, optional) in the front end's slot order: sockets, then widget sockets."""
+        sockets = [(p.name, p.io_type, False, p.optional) for p in self.spec.sockets]
+        widgets = [(w.name, w.io_type, True, w.optional) for w in self.spec.widgets] if self.spec.widget_sockets else []
+        return sockets + widgets
+
+
+@dataclass(frozen=True)
+class Link:
+    id: int
+    origin: Node
+    origin_slot: int
+    target: Node
+    target_name: str
+    io_type: str
+
+
+class Graph:
+    """One workflow: nodes added with widget values by name, links by socket names; serialises both forms."""
+
+    def __init__(self, name: str, specs: dict[str, NodeSpec]):
+        self.name, self.specs = name, specs
+        self.nodes: list[Node] = []
+        self.links: list[Link] = []
+
+    def add(self, node_type: str, pos, size, title: str = None, **values) -> Node:
+        spec = self.specs[node_type]
+        known = {w.name for w in spec.widgets}
+        if unknown := set(values) - known:
+            raise KeyError(f"{node_type} has no widget {sorted(unknown)}")
+        full = {}
+        for widget in spec.widgets:
+            value = values.get(widget.name, widget.default)
+            if value is None:
+                raise ValueError(f"{self.name}: {node_type}.{widget.name} has no default; give a value")
+            full[widget.name] = value
+        node = Node(len(self.nodes) + 1, spec, tuple(pos), tuple(size), full, title)
+        self.nodes.append(node)
+        return node
+
+    def note(self, text: str, pos, size) -> Node:
+        return self.add("MarkdownNote", pos, size, text=text.strip() + "\n")
+
+    def link(self, origin: Node, output: str, target: Node, socket: str) -> None:
+        slots = [i for i, p in enumerate(origin.spec.outputs) if p.name == output]
+        ports = {p.name: p for p in target.spec.sockets}
+        if len(slots) != 1 or socket not in ports or socket in target.inputs:
+            raise ValueError(f"{self.name}: cannot link {origin.spec.node_type}.{output} -> "
+                             f"{target.spec.node_type}.{socket}")
+        out_type, in_type = origin.spec.outputs[slots[0]].io_type, ports[socket].io_type
+        if out_type != in_type:
+            raise TypeError(f"{self.name}: {out_type} output into {in_type} input {target.spec.node_type}.{socket}")
+        link = Link(len(self.links) + 1, origin, slots[0], target, socket, out_type)
+        self.links.append(link)
+        target.inputs[socket] = link.id
+        origin.outputs.setdefault(slots[0], []).append(link.id)
+
+    def _order(self) -> dict[int, int]:
+        """Execution order the front end stores in `order`: topological, ties by node id."""
+        waiting = {n.id: {link.origin.id for link in self.links if link.target is n} for n in self.nodes}
+        order = {}
+        while waiting:
+            ready = min(i for i, deps in waiting.items() if not deps - order.keys())
+            order[ready] = len(order)
+            del waiting[ready]
+        return order
+
+    def _widgets_values(self, node: Node) -> list:
+        values = []
+        for widget in node.spec.widgets:
+            values.append(node.values[widget.name])
+            if widget.control_after_generate:
+                values.append(SEED_CONTROL)
+        return values
+
+    def ui(self) -> dict:
+        order = self._order()
+        nodes = []
+        for node in self.nodes:
+            inputs = []
+            for name, io_type, is_widget, optional in node.ui_inputs():
+                entry = {"localized_name": name, "name": name, "type": io_type}
+                if is_widget:
+                    entry["widget"] = {"name": name}
+                if optional:
+                    entry["shape"] = 7  # the hollow dot the front end draws for optional inputs
+                entry["link"] = node.inputs.get(name)
+                inputs.append(entry)
+            outputs = [{"localized_name": p.name, "name": p.name, "type": p.io_type, "slot_index": slot,
+                        "links": node.outputs.get(slot)} for slot, p in enumerate(node.spec.outputs)]
+            entry = {"id": node.id, "type": node.spec.node_type}
+            if node.title:
+                entry["title"] = node.title
+            entry |= {"pos": list(node.pos), "size": list(node.size), "flags": {}, "order": order[node.id],
+                      "mode": 0, "inputs": inputs, "outputs": outputs,
+                      "properties": {"Node name for S&R": node.spec.node_type} if node.spec.in_api else {},
+                      "widgets_values": self._widgets_values(node)}
+            nodes.append(entry)
+        links = [[link.id, link.origin.id, link.origin_slot, link.target.id,
+                  [name for name, *_ in link.target.ui_inputs()].index(link.target_name), link.io_type]
+                 for link in self.links]
+        return {
+            "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"qi21/workflows/{self.name}")),
+            "revision": 0,
+            "last_node_id": max(n.id for n in self.nodes),
+            "last_link_id": max((link.id for link in self.links), default=0),
+            "nodes": nodes,
+            "links": links,
+            "groups": [],
+            "config": {},
+            "extra": {"ds": {"scale": 0.75, "offset": [40, 40]}},
+            "version": 0.4,
+        }
+
+    def api(self) -> dict:
+        by_id = {link.id: link for link in self.links}
+        prompt = {}
+        for node in self.nodes:
+            if not node.spec.in_api:
+                continue
+            inputs = {w.name: node.values[w.name] for w in node.spec.widgets if w.in_api}
+            for port in node.spec.sockets:
+                if port.name in node.inputs:
+                    link = by_id[node.inputs[port.name]]
+                    inputs[port.name] = [str(link.origin.id), link.origin_slot]
+            prompt[str(node.id)] = {"inputs": inputs, "class_type": node.spec.node_type,
+                                    "_meta": {"title": node.title or node.spec.display_name}}
+        return prompt
+
+
+# -- the five examples ----------------------------------------------------------------------------------------
+# Columns: loaders at x=0, images/references/prompts at x=420, sampler at x=900, decode at x=1280, outputs at 1600.
+
+def _loaders(g: Graph, model_file: str) -> tuple[Node, Node, Node]:
+    model = g.add("QI21ModelLoader", (0, 120), (340, 130), model_name=model_file)
+    encoder = g.add("QI21TextEncoderLoader", (0, 300), (340, 130), text_encoder_name=TEXT_ENCODER)
+    vae = g.add("QI21VAELoader", (0, 480), (340, 110), vae_name=VAE_FILE)
+    return model, encoder, vae
+
+
+def _prompt(g: Graph, encoder: Node, text: str, pos=(420, 120), references: Node = None) -> Node:
+    node = g.add("QI21TextEncode", pos, (420, 200), prompt=text)
+    g.link(encoder, "text_encoder", node, "text_encoder")
+    if references is not None:
+        g.link(references, "references", node, "references")
+    return node
+
+
+def _sampler(g: Graph, node_type: str, model: Node, positive: Node, pos=(900, 120), **values) -> Node:
+    size = (320, 330) if node_type == "QI21Sampler" else (320, 260)
+    node = g.add(node_type, pos, size, seed=SEED, **values)
+    g.link(model, "model", node, "model")
+    g.link(positive, "conditioning", node, "positive")
+    return node
+
+
+def _decode(g: Graph, vae: Node, latent: Node, pos=(1280, 120)) -> Node:
+    node = g.add("QI21VAEDecode", pos, (260, 120))
+    g.link(vae, "vae", node, "vae")
+    g.link(latent, "LATENT", node, "samples")
+    return node
+
+
+def _save(g: Graph, decode: Node, output: str, prefix: str, pos=(1600, 120)) -> Node:
+    node = g.add("SaveImage", pos, (480, 520), filename_prefix=prefix)
+    g.link(decode, output, node, "images")
+    return node
+
+
+def _reference(g: Graph, vae: Node, image_file: str, index: int, pos, previous: Node = None) -> Node:
+    x, y = pos
+    image = g.add("LoadImage", (x, y), (320, 360), title=f"Load Image (<image{index}>)", image=image_file)
+    reference = g.add("QI21Reference", (x + 360, y), (320, 150), title=f"Reference <image{index}>")
+    g.link(vae, "vae", reference, "vae")
+    g.link(image, "IMAGE", reference, "image")
+    g.link(image, "MASK", reference, "mask")
+    if previous is not None:
+        g.link(previous, "references", reference, "references")
+    return reference
+
+
+def text_to_image_base(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    positive = _prompt(g, encoder, "A red fox sitting in a snowy birch forest at dawn, soft golden light, shallow "
+                                   "depth of field, detailed wildlife photograph.")
+    sampler = _sampler(g, "QI21Sampler", model, positive, steps=40, cfg=1.0, width=1024, height=1024)
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/text_to_image_base")
+    g.note("""
+## Qwen-Image 2.1 Base: text to image
+
+The official settings: **40 steps, cfg 1**, 1024 x 1024. The sampler computes the prompt once and caches its
+keys/values after step 1 (`prefix_cache` on); its report on the node shows tokens, cache size and timings.
+
+True CFG: connect a second *Text Encode* to `negative` and raise `cfg` above 1 (about twice the work).
+Models go in `models/diffusion_models`, `models/text_encoders` and `models/vae`.
+""", (0, 660), (420, 260))
+
+
+def text_to_image_turbo(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, TURBO_MODEL)
+    positive = _prompt(g, encoder, "A cozy reading nook by a tall window, rain on the glass, warm lamp light, "
+                                   "stacks of books, watercolor illustration.")
+    sampler = _sampler(g, "QI21TurboSampler", model, positive, width=1024, height=1024)
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/text_to_image_turbo")
+    g.note("""
+## Qwen-Image 2.1 Turbo: text to image
+
+The Turbo model with its own sampler: the stored **8-step** schedule, no CFG, so there are no steps or cfg
+to set. Use the Base sampler for the Base model and this one for Turbo; a mismatch is warned about.
+""", (0, 660), (420, 200))
+
+
+def edit_one_reference(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    reference = _reference(g, vae, "example.png", 1, (420, 660))
+    positive = _prompt(g, encoder, "Turn the sky in <image1> into a warm sunset with pink clouds; keep everything "
+                                   "else unchanged.", references=reference)
+    sampler = _sampler(g, "QI21Sampler", model, positive, steps=40, cfg=1.0, width=0, height=0)
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/edit_one_reference")
+    g.note("""
+## Qwen-Image 2.1: edit one image
+
+*Load Image* -> *Reference* -> *Text Encode* (`references`). The prompt calls the image `<image1>`.
+Width and height 0 follow the reference's size (resized to about `resolution`^2, sides x32).
+The image's alpha (LoadImage's MASK) is kept: transparent inputs stay transparent.
+Replace `example.png` with your own image.
+""", (0, 660), (380, 300))
+
+
+def edit_three_references(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    first = _reference(g, vae, "example_1.png", 1, (420, 660))
+    second = _reference(g, vae, "example_2.png", 2, (420, 1060), previous=first)
+    third = _reference(g, vae, "example_3.png", 3, (420, 1460), previous=second)
+    positive = _prompt(g, encoder, "The person from <image1> wears the jacket from <image2> and stands in the "
+                                   "street scene of <image3>, natural evening light.", references=third)
+    sampler = _sampler(g, "QI21Sampler", model, positive, steps=40, cfg=1.0, width=0, height=0)
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/edit_three_references")
+    g.note("""
+## Qwen-Image 2.1: three references
+
+Chain *Reference* nodes (`references` -> `references`): they become `<image1>`, `<image2>`, `<image3>`
+in chain order (up to 10). Only the last one goes into *Text Encode*. Width and height 0 follow the last
+reference. The prefix cache pays off most here: the references are computed once, not every step.
+Replace `example_1.png`..`example_3.png` with your own images.
+""", (0, 660), (380, 320))
+
+
+def transparent_rgba_png(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, TURBO_MODEL)
+    positive = _prompt(g, encoder, "A glass perfume bottle with a gold cap, product shot, isolated on a "
+                                   "transparent background, soft studio lighting.")
+    sampler = _sampler(g, "QI21TurboSampler", model, positive, width=1024, height=1024)
+    decode = _decode(g, vae, sampler)
+    _save(g, decode, "RGBA", "qwen-image-2.1/transparent_rgba")
+    rgb = g.add("PreviewImage", (1600, 700), (400, 440))
+    g.link(decode, "IMAGE", rgb, "images")
+    mask = g.add("MaskPreview", (2040, 700), (400, 440))
+    g.link(decode, "MASK", mask, "mask")
+    g.note("""
+## Qwen-Image 2.1: transparent PNG
+
+The VAE decodes RGB **and alpha**. *VAE Decode* gives `IMAGE` (RGB), `MASK` (1 = transparent, ComfyUI's
+convention) and `RGBA` (4 channels). *Save Image* writes the RGBA output as a PNG with an alpha channel.
+Ask for transparency in the prompt. Works the same with the Base model and sampler.
+""", (0, 660), (420, 260))
+
+
+WORKFLOWS = {
+    "text_to_image_base": text_to_image_base,
+    "text_to_image_turbo": text_to_image_turbo,
+    "edit_one_reference": edit_one_reference,
+    "edit_three_references": edit_three_references,
+    "transparent_rgba_png": transparent_rgba_png,
+}
+
+
+# -- files ----------------------------------------------------------------------------------------------------
+
+def _dumps(data) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+def build_graphs(specs: dict[str, NodeSpec] = None) -> dict[str, Graph]:
+    specs = specs or load_specs()
+    graphs = {}
+    for name, build in WORKFLOWS.items():
+        graphs[name] = Graph(name, specs)
+        build(graphs[name])
+    return graphs
+
+
+def expected_files() -> dict[str, str]:
+    """Relative path (under workflows/) -> file text, UI form and API form of every example."""
+    files = {}
+    for name, graph in build_graphs().items():
+        files[f"{name}.json"] = _dumps(graph.ui())
+        files[f"{API_FOLDER}/{name}.json"] = _dumps(graph.api())
+    return files
+
+
+def stale(folder: Path = HERE) -> list[str]:
+    """What in `folder` differs from the builder's output: changed, missing and unknown workflow files."""
+    expected = expected_files()
+    problems = []
+    for relative, text in expected.items():
+        path = folder / relative
+        if not path.is_file():
+            problems.append(f"{relative}: missing")
+        elif path.read_text(encoding="utf-8") != text:
+            problems.append(f"{relative}: differs from the builder's output")
+    on_disk = [*folder.glob("*.json"), *(folder / API_FOLDER).glob("*.json")]
+    problems += [f"{p.relative_to(folder).as_posix()}: not written by the builder"
+                 for p in sorted(on_disk) if p.relative_to(folder).as_posix() not in expected]
+    return problems
+
+
+def write(folder: Path = HERE) -> list[str]:
+    written = []
+    for relative, text in expected_files().items():
+        path = folder / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+            written.append(relative)
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail if the files on disk are not up to date")
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = stale()
+        for problem in problems:
+            print(f"stale: {problem}", file=sys.stderr)
+        if problems:
+            print("run: python workflows/build_workflows.py", file=sys.stderr)
+        return 1 if problems else 0
+    written = write()
+    print("\n".join(f"wrote workflows/{r}" for r in written) or "workflows are up to date")
+    leftovers = [p for p in stale() if p.endswith("not written by the builder")]
+    for problem in leftovers:
+        print(f"warning: {problem} (delete it or add it to WORKFLOWS)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
