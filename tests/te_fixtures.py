@@ -8,9 +8,9 @@ heads) follow the rules `text_encoder_loading` applies to a single file, so a si
 the same config. Every weight is random, norm scales included, so a mis-mapped tensor cannot hide behind an
 identity init.
 
-The tokenizer is generated, never copied: `write_qwen2_tokenizer` trains a small byte-level BPE with the
-`tokenizers` library on `TOKENIZER_CORPUS` (Qwen2's normalizer and pre-tokenizer, so the merges fit the way
-`Qwen2Tokenizer` splits text) and writes it as Qwen's tokenizer folders hold it: vocab.json + merges.txt +
+The tokenizer is generated, never copied: `write_qwen2_tokenizer` (in demo/tiny_checkpoints.py, shared with the
+demo's tiny model set) trains a small byte-level BPE with the `tokenizers` library on `TOKENIZER_CORPUS` (Qwen2's
+normalizer and pre-tokenizer, so the merges fit the way `Qwen2Tokenizer` splits text) and writes it as Qwen's tokenizer folders hold it: vocab.json + merges.txt +
 tokenizer_config.json. Qwen's added tokens keep their real ids (151643 `<|endoftext|>` ... 151655
 `<|image_pad|>` ... 151668 `</think>`): a single file carries no config, so the loader builds a `Qwen3VLConfig`
 whose image/vision token ids are the released ones, and the encoder checks the tokenizer against them. The
@@ -26,85 +26,18 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # Qwen2Tokenizer's pre-tokenizer split
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
-from qi21.model.text_encoder import SYSTEM_PROMPT
+# The generated tokenizer lives with the tiny checkpoint set (one copy); re-exported for the tests that use it.
+from qi21.demo.tiny_checkpoints import FIRST_ADDED_ID, QWEN_ADDED_TOKENS, TOKENIZER_CORPUS, write_qwen2_tokenizer  # noqa: F401
 from qi21.model.text_encoder_loading import IMAGE_PROCESSOR_DEFAULTS
 
 #: Test setting (read by the tests only): a folder with the real Qwen2 tokenizer (vocab.json + merges.txt +
 #: tokenizer_config.json, e.g. ComfyUI's comfy/text_encoders/qwen25_tokenizer, or tokenizer.json, e.g. the
 #: Qwen-Image 2.1 processor/ folder). Tests that count real Qwen tokens run only when it is set.
 REAL_TOKENIZER_ENV = "QI21_QWEN_TOKENIZER"
-
-#: Qwen2's added tokens at their real ids (id, text, special), as Qwen2/Qwen2.5/Qwen3-VL tokenizers list them.
-QWEN_ADDED_TOKENS = tuple((151643 + i, text, special) for i, (text, special) in enumerate((
-    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
-    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
-    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
-    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
-    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
-    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
-    ("<think>", False), ("</think>", False),
-)))
-FIRST_ADDED_ID = QWEN_ADDED_TOKENS[0][0]
-
-#: What the generated BPE learns from: the template words, the system prompt, the test prompts and some English.
-TOKENIZER_CORPUS = (
-    "system", "user", "assistant", SYSTEM_PROMPT, "<image1> <image2> <image3>",
-    "A cat", "a much longer prompt about <image1> and a dog", "Put <image1> on the left",
-    "<image1> in the style of the last one", "<image1> at dusk", "<image1> on a table", "two",
-    "A photograph of a cat sitting on a wooden table next to a window, soft morning light.",
-    "The dog runs across the green field while the children watch from the hill.",
-    "Render the scene in the style of an old oil painting, with warm colours and visible brush strokes.",
-    "Replace the background with a quiet street at night, keeping the person in the foreground unchanged.",
-    "A red bicycle leans against a brick wall covered in ivy; the shadows are long and the sky is orange.",
-    "Write the words \"OPEN 24 HOURS\" on the neon sign above the door of the small shop.",
-    "Two people are talking in a cafe. One of them holds a cup of coffee, the other one is laughing.",
-    "Make it look like a watercolour illustration for a children's book about the sea and its animals.",
-)
-
-
-def write_qwen2_tokenizer(folder: Path, vocab_size: int = 1024) -> Path:
-    """Train a small byte-level BPE on `TOKENIZER_CORPUS` and write it in Qwen2's file format; returns `folder`.
-
-    vocab.json holds the 256 byte symbols and the learned merges, padded with unreachable `<unused N>` entries to
-    id 151642 so that tokenizer_config.json's added tokens land on their real ids (transformers appends added
-    tokens after the vocabulary instead of honouring the ids it lists).
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(TOKENIZER_CORPUS, trainer)
-    model = json.loads(bpe.to_str())["model"]
-    vocab, merges = model["vocab"], model["merges"]
-    assert sorted(vocab.values()) == list(range(len(vocab))) and len(vocab) < FIRST_ADDED_ID
-    vocab.update({f"<unused {i}>": i for i in range(len(vocab), FIRST_ADDED_ID)})
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    lines = [" ".join(pair) if isinstance(pair, list) else pair for pair in merges]
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(lines) + "\n", encoding="utf-8")
-    added = {str(i): {"content": text, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                      "special": special} for i, text, special in QWEN_ADDED_TOKENS}
-    config = {
-        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
-        "additional_special_tokens": [t for _, t, special in QWEN_ADDED_TOKENS[1:] if special],
-        "bos_token": None, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
-        "extra_special_tokens": {}, "model_max_length": 131072, "pad_token": "<|endoftext|>",
-        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    return folder
-
 
 def real_tokenizer_dir() -> Path | None:
     """The folder `QI21_QWEN_TOKENIZER` names, None when unset."""

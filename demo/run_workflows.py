@@ -1,0 +1,644 @@
+"""Run the shipped API-format workflows headlessly through the pack's own node classes; no ComfyUI needed.
+
+    python demo/run_workflows.py [--models DIR] [--out DIR] [--workflows PATH] [--input DIR] [--quick] [--verbose]
+
+Every `*.json` in `--workflows` (default: workflows/api/) is run the way ComfyUI's executor would run it:
+the graph is validated first (known node types, required inputs present, links pointing at an existing output
+of the right type, widget values inside their combo lists and min/max, each node's own `validate_inputs`), then
+the nodes that lead to an output node run in dependency order, optional inputs the workflow leaves out taking
+their schema defaults. The pack's nodes run through `qi21.nodes.NODES`; the core nodes the workflows use are
+implemented here with ComfyUI's conventions:
+
+- LoadImage: the named file from `--input` (default `<out>/input/`, where an example image is generated for
+  every missing name, see `wants_alpha` for which are RGBA, all large enough for any reference resolution),
+  returning IMAGE `[1, H, W, 3]` in [0, 1] (alpha dropped) and MASK `[1, H, W]` (1 = transparent, or a 64x64
+  zero mask for an opaque image);
+- SaveImage / PreviewImage / MaskPreview: PNGs under `<out>/<workflow>/`, RGB for 3-channel and RGBA for
+  4-channel IMAGEs, a MASK as grey levels; the workflow is embedded in each PNG as ComfyUI embeds it.
+
+Each sampler's `qi21_report` is written next to the images as `qi21_report_<node id>.json`, a summary table is
+printed and written to `<out>/summary.json`, and the exit status is 1 if any workflow failed (or none was found).
+
+With `--models DIR` the loaders read real weights from that ComfyUI-style models folder (`diffusion_models/`,
+`text_encoders/`, `vae/`, `diffusers/`). Without it a tiny random checkpoint set is generated in a temporary
+folder (`tiny_checkpoints.py`) and the images are noise; in that mode (and with `--quick`) sizes and steps are
+capped so every workflow runs in seconds on a CPU, and the output says so.
+"""
+
+import argparse
+import heapq
+import importlib.util
+import inspect
+import json
+import math
+import re
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "qi21"
+
+
+def import_pack(name: str = PACKAGE):
+    """Register the repository as package `name` (as tests/conftest.py does): ComfyUI imports the pack by its
+    folder name, which need not be a valid module name."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+import_pack()
+
+import numpy as np  # noqa: E402  (the pack must be registered first)
+import torch  # noqa: E402
+from PIL import Image, ImageOps  # noqa: E402
+from PIL.PngImagePlugin import PngInfo  # noqa: E402
+
+from qi21.demo.tiny_checkpoints import write_tiny_checkpoints  # noqa: E402
+from qi21.model.references import MIN_VLM_PIXELS, reference_size  # noqa: E402
+from qi21.nodes import NODES, bridge  # noqa: E402
+from qi21.nodes.bridge import io  # noqa: E402
+
+TINY_BANNER = "USING A SMALL RANDOM CHECKPOINT: images are noise; pass --models for real weights"
+#: Limits of a quick run (always in tiny mode: the random model gives noise at any size, so run small).
+QUICK_MAX_SIDE = 256  # sampler width/height (the samplers' minimum size)
+QUICK_MAX_STEPS = 4  # Base sampler steps (Turbo always runs its 8 stored sigmas)
+QUICK_REFERENCE_RESOLUTION = 256  # raised per image until the vision processor's 65536-pixel minimum is met
+QUICK_NOTE = (f"quick run: sampler width/height capped at {QUICK_MAX_SIDE} (0 without references -> {QUICK_MAX_SIDE}), "
+              f"Base steps capped at {QUICK_MAX_STEPS}, reference resolution capped at ~{QUICK_REFERENCE_RESOLUTION}")
+LOADERS = ("QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader")  # outputs reused across workflows
+EXAMPLE_IMAGES = ("qi21_example_rgb.png", "qi21_example_rgba.png")  # always provided in the input folder
+ALPHA_HINTS = ("rgba", "alpha", "transparent", "cutout")
+
+
+class WorkflowError(Exception):
+    """A workflow that cannot run; the message says which node and why."""
+
+
+# -- core nodes (ComfyUI's LoadImage / SaveImage / PreviewImage, minimal) ----------------------------------------
+def wants_alpha(name: str) -> bool:
+    """Whether a generated example is RGBA: the name mentions alpha/rgba/transparent/cutout, or its stem ends in
+    an odd number (`example_1.png`, `example_3.png`), so multi-reference workflows get both kinds."""
+    stem = Path(name).stem.lower()
+    digits = re.search(r"(\d+)$", stem)
+    return any(hint in stem for hint in ALPHA_HINTS) or (digits is not None and int(digits.group(1)) % 2 == 1)
+
+
+def example_image(name: str) -> Image.Image:
+    """A deterministic example picture: 512x384 RGB, or 384x512 RGBA (transparent background, a soft-edged
+    disc) when `wants_alpha(name)`. Both stay above the vision processor's 65536-pixel minimum at any
+    `resolution` (0 keeps 512x384 / 384x512)."""
+    rgba = wants_alpha(name)
+    width, height = (384, 512) if rgba else (512, 384)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    u, v = x / (width - 1), y / (height - 1)
+    rgb = np.stack([0.2 + 0.6 * u, 0.3 + 0.5 * v, 0.8 - 0.5 * u * v], axis=-1)
+    radius = np.hypot(x - 0.55 * width, y - 0.45 * height) / (0.3 * min(width, height))
+    rgb = np.where((radius < 1)[..., None], np.array([0.9, 0.35, 0.2], np.float32), rgb)
+    rgb[(np.abs(u - 0.25) < 0.08) & (np.abs(v - 0.7) < 0.12)] = (0.15, 0.6, 0.25)
+    pixels = np.clip(np.rint(rgb * 255), 0, 255).astype(np.uint8)
+    if not rgba:
+        return Image.fromarray(pixels, "RGB")
+    alpha = np.clip(np.rint(255 * np.clip(1.5 - radius, 0, 1)), 0, 255).astype(np.uint8)  # opaque disc, soft rim
+    return Image.fromarray(np.dstack([pixels, alpha]), "RGBA")
+
+
+def _input_file_name(value) -> str:
+    """LoadImage's file name without ComfyUI's ` [input]` annotation, refused when it leaves the folder."""
+    name = str(value).strip()
+    for tag in (" [input]", " [output]", " [temp]"):
+        name = name.removesuffix(tag)
+    path = Path(name)
+    if not name or path.is_absolute() or ".." in path.parts:
+        raise WorkflowError(f"LoadImage image {value!r}: give a file name inside the input folder.")
+    return name
+
+
+def write_example_images(input_dir: Path, names) -> list[Path]:
+    """Create the example images and every image the workflows name that is missing; never overwrites."""
+    written = []
+    for name in dict.fromkeys([*EXAMPLE_IMAGES, *names]):
+        path = input_dir / name
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            example_image(name).save(path)
+            written.append(path)
+    return written
+
+
+def load_image(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's LoadImage for one frame: IMAGE `[1, H, W, 3]` float in [0, 1] (alpha dropped) and MASK
+    `[1, H, W]` = 1 - alpha, or a `[1, 64, 64]` zero mask when the file has no alpha."""
+    with Image.open(path) as opened:
+        image = ImageOps.exif_transpose(opened)
+        if image.mode == "I":
+            image = image.point(lambda value: value * (1 / 255))
+        rgb = torch.from_numpy(np.array(image.convert("RGB")).astype(np.float32) / 255.0)[None]
+        if "A" in image.getbands():
+            mask = 1.0 - torch.from_numpy(np.array(image.getchannel("A")).astype(np.float32) / 255.0)
+        elif image.mode == "P" and "transparency" in image.info:
+            mask = 1.0 - torch.from_numpy(np.array(image.convert("RGBA").getchannel("A")).astype(np.float32) / 255.0)
+        else:
+            mask = torch.zeros((64, 64), dtype=torch.float32)
+    return rgb, mask[None]
+
+
+def save_images(images: torch.Tensor, folder: Path, prefix: str, prompt: dict) -> list[Path]:
+    """Write `[B, H, W, C]` images (C = 3: RGB, C = 4: RGBA) as `{prefix}_{counter:05}_.png`, as ComfyUI does."""
+    if images.ndim != 4 or images.shape[-1] not in (3, 4):
+        raise WorkflowError(f"SaveImage needs IMAGE [B, H, W, 3 or 4], got {list(images.shape)}.")
+    relative = Path(prefix or "ComfyUI")
+    if relative.is_absolute() or ".." in relative.parts:
+        raise WorkflowError(f"filename_prefix {prefix!r} must stay inside the output folder.")
+    target = folder / relative
+    target.parent.mkdir(parents=True, exist_ok=True)
+    counter = 1 + max((int(p.name[len(target.name) + 1: -5]) for p in target.parent.glob(f"{target.name}_*_.png")
+                       if p.name[len(target.name) + 1: -5].isdigit()), default=0)
+    metadata = PngInfo()
+    metadata.add_text("prompt", json.dumps(prompt))
+    written = []
+    for image in images.detach().float().cpu().numpy():
+        pixels = np.clip(255.0 * image, 0, 255).astype(np.uint8)  # ComfyUI truncates, it does not round
+        path = target.parent / f"{target.name}_{counter:05}_.png"
+        Image.fromarray(pixels, "RGBA" if pixels.shape[-1] == 4 else "RGB").save(path, pnginfo=metadata, compress_level=4)
+        written.append(path)
+        counter += 1
+    return written
+
+
+def core_schemas() -> dict:
+    """Schemas of the core nodes this runner implements (the inputs and outputs the workflows use)."""
+    return {
+        "LoadImage": io.Schema(node_id="LoadImage", category="image", inputs=[io.String.Input("image")],
+                               outputs=[io.Image.Output(display_name="IMAGE"), io.Mask.Output(display_name="MASK")]),
+        "SaveImage": io.Schema(node_id="SaveImage", category="image", is_output_node=True,
+                               inputs=[io.Image.Input("images"),
+                                       io.String.Input("filename_prefix", default="ComfyUI", optional=True)]),
+        "PreviewImage": io.Schema(node_id="PreviewImage", category="image", is_output_node=True,
+                                  inputs=[io.Image.Input("images")]),
+        "MaskPreview": io.Schema(node_id="MaskPreview", category="mask", is_output_node=True,
+                                 inputs=[io.Mask.Input("mask")]),
+    }
+
+
+# -- schema access (the stand-in keeps options in a dict; ComfyUI's API as attributes) -------------------------
+def _io_type(port) -> str:
+    value = getattr(port, "io_type", None)
+    return value if isinstance(value, str) else port.get_io_type()
+
+
+def _option(port, name: str):
+    options = getattr(port, "options", None)
+    if isinstance(options, dict):
+        return options.get(name)
+    if name == "options":
+        return options if isinstance(options, (list, tuple)) else None
+    return getattr(port, name, None)
+
+
+def _is_link(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int) and not isinstance(value[1], bool)
+
+
+def _node_order_key(node_id: str):
+    return (0, int(node_id), "") if node_id.isdigit() else (1, 0, node_id)
+
+
+def load_workflow(path: Path) -> dict[str, dict]:
+    """`{node id: {"class_type", "inputs"}}` from an API-format file (or a /prompt request body holding one)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise WorkflowError(f"cannot read {path.name}: {error}")
+    if isinstance(data, dict) and isinstance(data.get("prompt"), dict):
+        data = data["prompt"]
+    if isinstance(data, dict) and isinstance(data.get("nodes"), list) and "links" in data:
+        raise WorkflowError(f"{path.name} is a UI-format workflow (nodes + links); this runner needs the API format "
+                            "(ComfyUI: Workflow > Export (API)).")
+    if not isinstance(data, dict):
+        raise WorkflowError(f"{path.name} is not an API-format workflow (a JSON object of nodes).")
+    nodes = {str(k): v for k, v in data.items() if isinstance(v, dict) and "class_type" in v}
+    if not nodes:
+        raise WorkflowError(f"{path.name} holds no nodes (no entries with a class_type).")
+    for node_id, node in nodes.items():
+        if not isinstance(node.get("inputs", {}), dict):
+            raise WorkflowError(f"node {node_id} ({node['class_type']}): inputs must be a JSON object.")
+    return nodes
+
+
+# -- the runner ------------------------------------------------------------------------------------------------
+@dataclass
+class WorkflowResult:
+    name: str
+    ok: bool = False
+    seconds: float = 0.0
+    images: list = field(default_factory=list)
+    reports: list = field(default_factory=list)  # (node id, the qi21_report list, its JSON file)
+    notes: list = field(default_factory=list)
+    error: str | None = None
+    details: str | None = None
+
+
+class Runner:
+    """Validates and executes API-format workflows through the pack's node classes and the core nodes above."""
+
+    def __init__(self, out_dir: Path, input_dir: Path, quick: bool, verbose: bool = False, log=print):
+        self.out_dir, self.input_dir, self.quick, self.verbose, self.log = out_dir, input_dir, quick, verbose, log
+        self.classes = {cls.define_schema().node_id: cls for cls in NODES}  # after set_models_root: combo lists
+        self.schemas = {node_id: cls.define_schema() for node_id, cls in self.classes.items()}
+        self.schemas.update(core_schemas())
+        self.loader_cache: dict[tuple, tuple] = {}
+
+    # validation ---------------------------------------------------------------------------------------------
+    def _schema(self, node_id: str, node: dict):
+        schema = self.schemas.get(node["class_type"])
+        if schema is None:
+            raise WorkflowError(
+                f"node {node_id}: {node['class_type']!r} is neither a Qwen-Image 2.1 node nor a core node this runner "
+                f"implements ({', '.join(sorted(self.schemas))}).")
+        return schema
+
+    def _needed(self, nodes: dict) -> list[str]:
+        """Nodes that lead to an output node, in dependency order (ComfyUI runs nothing else)."""
+        outputs = [i for i, node in nodes.items() if self._schema(i, node).is_output_node]
+        if not outputs:
+            raise WorkflowError("the workflow has no output node (SaveImage, PreviewImage or MaskPreview), so ComfyUI "
+                                "would run nothing.")
+        needed, stack = set(), list(outputs)
+        while stack:
+            node_id = stack.pop()
+            if node_id in needed:
+                continue
+            needed.add(node_id)
+            for name, value in nodes[node_id].get("inputs", {}).items():
+                if _is_link(value):
+                    source = str(value[0])
+                    if source not in nodes:
+                        raise WorkflowError(f"node {node_id} ({nodes[node_id]['class_type']}): input {name!r} links to "
+                                            f"node {source}, which is not in the workflow.")
+                    stack.append(source)
+        users = {i: [] for i in needed}
+        waiting = {i: 0 for i in needed}
+        for node_id in needed:
+            for value in nodes[node_id].get("inputs", {}).values():
+                if _is_link(value):
+                    users[str(value[0])].append(node_id)
+                    waiting[node_id] += 1
+        ready = [(_node_order_key(i), i) for i, count in waiting.items() if count == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, node_id = heapq.heappop(ready)
+            order.append(node_id)
+            for user in users[node_id]:
+                waiting[user] -= 1
+                if waiting[user] == 0:
+                    heapq.heappush(ready, (_node_order_key(user), user))
+        if len(order) != len(needed):
+            raise WorkflowError("the links form a cycle through nodes " + ", ".join(sorted(set(needed) - set(order))))
+        return order
+
+    def validate(self, nodes: dict, order: list[str], notes: list[str]) -> None:
+        """Everything ComfyUI checks before running, all problems reported at once."""
+        problems = []
+        for node_id, node in nodes.items():
+            if node_id not in order:
+                notes.append(f"node {node_id} ({node['class_type']}) leads to no output node; ComfyUI would skip it")
+        for node_id in order:
+            node, schema = nodes[node_id], self._schema(node_id, nodes[node_id])
+            where = f"node {node_id} ({node['class_type']})"
+            values = node.get("inputs", {})
+            known = {port.id for port in schema.inputs}
+            extra = sorted(set(values) - known)
+            if extra and node["class_type"] in self.classes:
+                notes.append(f"{where}: inputs {extra} are not in the schema; ComfyUI ignores them")
+            widgets, before = {}, len(problems)
+            for port in schema.inputs:
+                name = port.id
+                if name not in values:
+                    if not port.optional:
+                        problems.append(f"{where}: required input {name!r} is missing")
+                    continue
+                value = values[name]
+                if _is_link(value):
+                    problems.extend(self._check_link(nodes, where, name, port, value))
+                else:
+                    problem = self._check_widget(port, value)
+                    if problem:
+                        problems.append(f"{where}: {name} = {value!r}: {problem}")
+                    else:
+                        widgets[name] = value
+            cls = self.classes.get(node["class_type"])
+            if cls is not None and len(problems) == before:
+                try:  # ComfyUI calls it with the widget values; a linked argument it declares means: skip
+                    inspect.signature(cls.validate_inputs).bind(**widgets)
+                except TypeError:
+                    continue
+                verdict = cls.validate_inputs(**widgets)
+                if verdict is not True:
+                    problems.append(f"{where}: {verdict}")
+        if problems:
+            raise WorkflowError("invalid workflow:\n  " + "\n  ".join(problems))
+
+    def _check_link(self, nodes, where, name, port, value) -> list[str]:
+        source, slot = str(value[0]), value[1]
+        outputs = self._schema(source, nodes[source]).outputs
+        if not 0 <= slot < len(outputs):
+            return [f"{where}: input {name!r} reads output {slot} of node {source} ({nodes[source]['class_type']}), "
+                    f"which has {len(outputs)} outputs"]
+        got, wanted = _io_type(outputs[slot]), _io_type(port)
+        if got != wanted and "*" not in (got, wanted):
+            return [f"{where}: input {name!r} wants {wanted} but node {source} ({nodes[source]['class_type']}) "
+                    f"output {slot} is {got}"]
+        return []
+
+    @staticmethod
+    def _check_widget(port, value) -> str | None:
+        kind = _io_type(port)
+        if kind == "COMBO":
+            choices = _option(port, "options")
+            if choices and value not in choices:
+                shown = ", ".join(map(str, list(choices)[:8])) + (" ..." if len(choices) > 8 else "")
+                return f"not among the choices ({shown})"
+            return None
+        if kind in ("INT", "FLOAT"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "INT" and value != int(value)):
+                return f"expected {kind}"
+            low, high = _option(port, "min"), _option(port, "max")
+            if low is not None and value < low or high is not None and value > high:
+                return f"outside [{low}, {high}]"
+            return None
+        if kind == "BOOLEAN" and not isinstance(value, bool):
+            return "expected true or false"
+        if kind == "STRING" and not isinstance(value, str):
+            return "expected a string"
+        return None
+
+    # execution ----------------------------------------------------------------------------------------------
+    def _inputs(self, nodes, node_id, schema, outputs) -> dict:
+        values = nodes[node_id].get("inputs", {})
+        kwargs = {}
+        for port in schema.inputs:
+            if port.id in values:
+                value = values[port.id]
+                if _is_link(value):
+                    value = outputs[str(value[0])][value[1]]
+                    if value is None:  # an optional output left empty upstream: as if unconnected
+                        continue
+                elif _io_type(port) == "INT" and isinstance(value, float):
+                    value = int(value)
+                kwargs[port.id] = value
+            elif port.default is not None:
+                kwargs[port.id] = port.default
+        return kwargs
+
+    def _quick_overrides(self, class_type: str, kwargs: dict) -> list[str]:
+        """Shrink the work (tiny mode, --quick); returns what was changed."""
+        changed = []
+
+        def cap(name, value):
+            if kwargs.get(name) != value:
+                changed.append(f"{name} {kwargs.get(name)} -> {value}")
+                kwargs[name] = value
+
+        if class_type in ("QI21Sampler", "QI21TurboSampler"):
+            has_references = bool(getattr(kwargs.get("positive"), "ref_shapes", ()))
+            for name in ("width", "height"):
+                value = kwargs.get(name, 0)
+                cap(name, (0 if has_references else QUICK_MAX_SIDE) if value == 0 else min(value, QUICK_MAX_SIDE))
+            if class_type == "QI21Sampler":
+                cap("steps", min(kwargs.get("steps", QUICK_MAX_STEPS), QUICK_MAX_STEPS))
+        elif class_type in LOADERS and kwargs.get("weight_dtype", "fp32") != "fp32" and bridge.compute_device().type == "cpu":
+            # CPUs without native bf16 run bf16 matmuls ~20x and convolutions (aten::_slow_conv2d_forward) ~15x
+            # slower than fp32, and the loaders' "default" keeps the files' bf16
+            cap("weight_dtype", "fp32")
+        elif class_type == "QI21Reference" and isinstance(kwargs.get("image"), torch.Tensor):
+            height, width = kwargs["image"].shape[-3:-1]
+            smallest = QUICK_REFERENCE_RESOLUTION
+            while smallest < 4096 and math.prod(reference_size(width, height, smallest)) < MIN_VLM_PIXELS:
+                smallest += 32
+            resolution = kwargs.get("resolution", 1024)
+            if resolution == 0 or resolution > smallest:
+                cap("resolution", smallest)
+        return changed
+
+    def _execute(self, node_id: str, node: dict, kwargs: dict, workflow: dict, folder: Path, result: WorkflowResult):
+        class_type = node["class_type"]
+        if class_type == "LoadImage":
+            return load_image(self.input_dir / _input_file_name(kwargs["image"]))
+        if class_type in ("SaveImage", "PreviewImage", "MaskPreview"):
+            prefix = kwargs.get("filename_prefix", "ComfyUI") if class_type == "SaveImage" else f"preview_{node_id}"
+            images = kwargs["mask"] if class_type == "MaskPreview" else kwargs["images"]
+            if class_type == "MaskPreview":  # as ComfyUI shows a MASK: grey levels, 1 (transparent) = white
+                images = images.reshape(-1, 1, *images.shape[-2:]).movedim(1, -1).expand(-1, -1, -1, 3)
+            result.images += save_images(images, folder, prefix, workflow)
+            return ()
+        cache_key = _loader_key(class_type, kwargs) if class_type in LOADERS else None
+        if cache_key in self.loader_cache:
+            return self.loader_cache[cache_key]
+        output = self.classes[class_type].execute(**kwargs)
+        args = tuple(output) if isinstance(output, tuple) else tuple(getattr(output, "args", ()) or ())
+        reports = (getattr(output, "ui", None) or {}).get("qi21_report")
+        if reports is not None:
+            path = folder / f"qi21_report_{node_id}.json"
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(reports, indent=2) + "\n", encoding="utf-8")
+            result.reports.append((node_id, reports, path))
+        if cache_key is not None:
+            self.loader_cache[cache_key] = args
+        return args
+
+    def run(self, path: Path) -> WorkflowResult:
+        result = WorkflowResult(path.stem)
+        start = time.perf_counter()
+        current = None
+        try:
+            nodes = load_workflow(path)
+            order = self._needed(nodes)
+            self.validate(nodes, order, result.notes)
+            self._keep_loaded(nodes, order)
+            folder = self.out_dir / path.stem
+            outputs: dict[str, tuple] = {}
+            for node_id in order:
+                current = node_id
+                node = nodes[node_id]
+                kwargs = self._inputs(nodes, node_id, self.schemas[node["class_type"]], outputs)
+                if self.quick:
+                    changed = self._quick_overrides(node["class_type"], kwargs)
+                    if changed:
+                        result.notes.append(f"node {node_id} ({node['class_type']}): {', '.join(changed)} (quick run)")
+                tick = time.perf_counter()
+                outputs[node_id] = self._execute(node_id, node, kwargs, nodes, folder, result)
+                if self.verbose:
+                    self.log(f"    node {node_id:>3} {node['class_type']:<22} {time.perf_counter() - tick:7.2f} s")
+            result.ok = True
+        except Exception as error:  # one broken workflow must not stop the others
+            where = f"node {current} ({nodes[current]['class_type']}): " if current is not None else ""
+            result.error = where + (str(error) if isinstance(error, WorkflowError) else f"{type(error).__name__}: {error}")
+            result.details = None if isinstance(error, WorkflowError) else traceback.format_exc()
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def _keep_loaded(self, nodes: dict, order: list[str]) -> None:
+        """Drop the loaded models this workflow does not use (real weights are tens of GB); keep the others."""
+        wanted = set()
+        for node_id in order:
+            class_type = nodes[node_id]["class_type"]
+            if class_type in LOADERS:  # loaders take widget values, so their inputs are known up front
+                try:
+                    kwargs = self._inputs(nodes, node_id, self.schemas[class_type], {})
+                except KeyError:  # a linked loader input: its output is not reused
+                    continue
+                if self.quick:
+                    self._quick_overrides(class_type, kwargs)  # the key the loader will be cached under
+                wanted.add(_loader_key(class_type, kwargs))
+        for key in list(self.loader_cache):
+            if key not in wanted:
+                del self.loader_cache[key]
+
+
+def _loader_key(class_type: str, kwargs: dict) -> tuple:
+    return class_type, json.dumps(kwargs, sort_keys=True, default=str)
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+def find_workflows(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(path.glob("*.json")) if path.is_dir() else []
+
+
+def image_names(workflows: list[Path]) -> list[str]:
+    """Every file a LoadImage node of these workflows reads (unreadable workflows are reported later)."""
+    names = []
+    for path in workflows:
+        try:
+            nodes = load_workflow(path)
+        except WorkflowError:
+            continue
+        for node in nodes.values():
+            value = node.get("inputs", {}).get("image")
+            if node["class_type"] == "LoadImage" and isinstance(value, str):
+                try:
+                    names.append(_input_file_name(value))
+                except WorkflowError:
+                    pass
+    return names
+
+
+def _report_summary(reports) -> str:
+    parts = []
+    for _node_id, entries, _path in reports:
+        for entry in entries:
+            parts.append(f"{entry.get('steps', '?')} steps, cache {entry.get('cache', '?')}, "
+                         f"{entry.get('prefix_tokens', '?')}+{entry.get('target_tokens', '?')} tokens")
+    return "; ".join(parts) or "-"
+
+
+def print_summary(results: list[WorkflowResult], tiny: bool, out_dir: Path, log=print) -> None:
+    width = max([len(r.name) for r in results] + [8])
+    log("")
+    log(f"{'workflow':<{width}}  {'result':<6}  {'time':>7}  {'images':>6}  sampler report")
+    log(f"{'-' * width}  ------  -------  ------  {'-' * 40}")
+    for r in results:
+        log(f"{r.name:<{width}}  {'ok' if r.ok else 'FAILED':<6}  {r.seconds:6.1f}s  {len(r.images):>6}  "
+            f"{_report_summary(r.reports)}")
+    for r in results:
+        if r.error:
+            log(f"\n{r.name} FAILED: {r.error}")
+    failed = sum(not r.ok for r in results)
+    log(f"\n{len(results) - failed}/{len(results)} workflows ok; images and reports in {out_dir}")
+    if tiny:
+        log(TINY_BANNER)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Run the Qwen-Image 2.1 API-format workflows headlessly.")
+    parser.add_argument("--models", type=Path, default=None,
+                        help="ComfyUI models folder with real weights (diffusion_models/, text_encoders/, vae/, "
+                             "diffusers/). Without it a tiny random checkpoint set is generated and images are noise.")
+    parser.add_argument("--out", type=Path, default=Path("out"), help="where images, reports and summary.json go "
+                        "(default ./out)")
+    parser.add_argument("--workflows", type=Path, default=ROOT / "workflows" / "api",
+                        help="a folder of API-format *.json workflows, or one file (default: workflows/api)")
+    parser.add_argument("--input", type=Path, default=None,
+                        help="where LoadImage reads from (default <out>/input; missing images are generated)")
+    parser.add_argument("--quick", action="store_true",
+                        help="cap sizes and steps as the tiny random set always does: a fast smoke run of real weights")
+    parser.add_argument("--verbose", action="store_true", help="per-node timings, notes and tracebacks")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out_dir = args.out
+    input_dir = args.input if args.input is not None else out_dir / "input"
+    workflows = find_workflows(args.workflows)
+    if not workflows:
+        print(f"No API-format workflows (*.json) found at {args.workflows}; nothing to run.")
+        return 1
+    tiny = args.models is None
+    if not tiny and not args.models.is_dir():
+        print(f"--models {args.models}: no such folder.")
+        return 1
+    if bridge.HAVE_COMFY:
+        print("Note: ComfyUI is importable here, so the nodes use ComfyUI's own model folders and --models (or the "
+              "tiny set) is ignored by the loaders.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    previous_root = getattr(bridge, "_plain_models_root", None)  # restored afterwards (in-process callers)
+    with tempfile.TemporaryDirectory(prefix="qi21_tiny_models_", ignore_cleanup_errors=True) as scratch:
+        if tiny:
+            print(TINY_BANNER)
+            tick = time.perf_counter()
+            models = write_tiny_checkpoints(Path(scratch))["root"]
+            print(f"  wrote the tiny random model set to {models} in {time.perf_counter() - tick:.1f} s")
+        else:
+            models = args.models
+            print(f"Using real weights from {models}")
+        bridge.set_models_root(models)
+        try:
+            created = write_example_images(input_dir, image_names(workflows))
+            if created:
+                print(f"  generated example input images in {input_dir}: {', '.join(p.name for p in created)}")
+            quick = tiny or args.quick
+            if quick:
+                on_cpu = bridge.compute_device().type == "cpu"
+                print(f"  {QUICK_NOTE}" + (", weights in fp32 (no fast bf16 on this CPU)" if on_cpu else ""))
+            runner = Runner(out_dir, input_dir, quick, args.verbose)
+            print(f"Running {len(workflows)} workflow(s) from {args.workflows}")
+            results = []
+            for index, path in enumerate(workflows, 1):
+                print(f"[{index}/{len(workflows)}] {path.name}")
+                result = runner.run(path)
+                results.append(result)
+                status = "ok" if result.ok else "FAILED"
+                print(f"    {status} in {result.seconds:.1f} s, {len(result.images)} image(s)"
+                      + (f": {result.error}" if result.error else ""))
+                if args.verbose:
+                    for note in result.notes:
+                        print(f"    note: {note}")
+                    if result.details:
+                        print(result.details)
+            runner.loader_cache.clear()
+        finally:
+            bridge.set_models_root(previous_root)
+    summary = [{
+        "workflow": r.name, "ok": r.ok, "seconds": round(r.seconds, 3), "error": r.error, "notes": r.notes,
+        "images": [str(p) for p in r.images],
+        "reports": [{"node": node_id, "file": str(path), "report": entries} for node_id, entries, path in r.reports],
+    } for r in results]
+    (out_dir / "summary.json").write_text(json.dumps({"tiny_random_checkpoint": tiny, "workflows": summary}, indent=2)
+                                          + "\n", encoding="utf-8")
+    print_summary(results, tiny, out_dir)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

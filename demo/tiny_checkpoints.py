@@ -1,0 +1,467 @@
+"""A tiny random Qwen-Image 2.1 model set, written in every file layout the loaders accept.
+
+`write_tiny_checkpoints(root)` fills a ComfyUI-style models folder with the released file names and layouts
+(CHECKPOINTS.md sections 1.3, 3.3, 4.3 and 5), so the loaders, the nodes and the headless demo can run end to
+end without the 30 GB of real weights:
+
+    diffusion_models/qwen_image_2.1_bf16.safetensors        bare keys, fused img_mlp.gate_up = [gate; up]
+    diffusion_models/qwen_image_2.1_turbo_bf16.safetensors  the same under `model.diffusion_model.`
+    text_encoders/qwen3vl_8b_bf16.safetensors               model.layers.* / model.embed_tokens.* / model.norm.*
+                                                            / model.visual.* / lm_head.weight
+    text_encoders/qwen3vl_8b_bf16_tokenizer/                vocab.json + merges.txt + tokenizer_config.json
+    vae/qwen_image_2.1_vae_bf16.safetensors                 Wan 2.2 names, causal convs 5-D [O, I, 1, kh, kw]
+    diffusers/Qwen-Image-2.1/                               model_index.json, scheduler/, transformer/ (2 shards
+                                                            + index), vae/, text_encoder/ (2 shards + index),
+                                                            processor/ (tokenizer.json + preprocessor_config.json)
+    diffusers/Qwen-Image-2.1-Turbo/                         the same with `sample_sigmas`, Turbo's scheduler and
+                                                            one text_encoder/model.safetensors
+
+The model keeps the released structure at toy size and is consistent across components: the DiT has 2 blocks
+of 2 heads x 32 (RoPE axes 4/14/14, the released 1/8 + 7/16 + 7/16 split), SwiGLU ratio 3 and text width 16 =
+the text encoder's hidden size; the VAE keeps 64 latent channels, 16x compression, RGBA and the released stage
+plan (temporal stages 1-3, hence the `time_conv` weights) at widths 4/6; Qwen3-VL has 3 decoder layers of
+width 16 (2 query heads, 1 KV head of 8) and a 27-block vision tower of width 64 with 16 heads and the 8B's
+DeepStack layers 8/16/24. Values no tensor shape reveals (rope theta, eps, M-RoPE split, vision heads,
+DeepStack layers, RoPE axes) follow the rules the loaders apply to a single file, so every layout of a
+component loads to the same config. The embedding and LM head keep Qwen's 151936 rows, because the tokenizer's
+special tokens keep their real ids (151643...): three copies of those and of the 151k-entry vocabulary
+are most of the ~55 MB the set takes.
+
+Weights are drawn from a seeded generator: matrices N(0, 1/fan_in), norm scales 1 + N(0, 0.1^2) (the DiT's
+zero-centred text norm stores scale - 1), biases N(0, 0.05^2). Base and Turbo DiTs differ (Turbo is a
+distillate); the text encoder and the VAE are the same in every file, as in the release. Storage follows the
+release: bf16 everywhere except the diffusers VAE, which is fp32 holding the same bf16-representable values, so
+every layout of a component holds bit-identical weights (load both at the same weight_dtype to compare).
+
+Only runtime dependencies are used (torch, safetensors, transformers, tokenizers): never diffusers. Import this
+module as part of the pack (`qi21.demo.tiny_checkpoints`); tests/conftest.py and demo/run_workflows.py register
+the repository under that name.
+"""
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # Qwen2Tokenizer's pre-tokenizer split
+
+from ..model.dit import DiTConfig, QwenImage21DiT
+from ..model.schedule import TURBO_SIGMAS
+from ..model.text_encoder import SYSTEM_PROMPT
+from ..model.text_encoder_loading import IMAGE_PROCESSOR_DEFAULTS, MAX_POSITIONS, RMS_NORM_EPS, ROPE_THETA, VISION_HEADS
+from ..model.vae import QwenImage21VAE, QwenImage21VAEConfig
+
+#: The tiny DiT. Text width = the tiny text encoder's hidden size.
+TINY_DIT = DiTConfig(num_layers=2, num_heads=2, head_dim=32, context_in_dim=16, mlp_ratio=3, axes_dims_rope=(4, 14, 14))
+#: The tiny VAE: the released stages, 64 latent channels and 16x compression, 4/6 channels wide.
+TINY_VAE = QwenImage21VAEConfig(base_dim=4, decoder_base_dim=6, z_dim=64, dim_mult=(1, 2, 4, 8, 8), num_res_blocks=2,
+                                temporal_downsample=(False, True, True, True))
+
+#: Released file names (CHECKPOINTS.md section 0) and diffusers repository names (section 5).
+DIT_FILE, TURBO_DIT_FILE = "qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_turbo_bf16.safetensors"
+TEXT_ENCODER_FILE = "qwen3vl_8b_bf16.safetensors"
+VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
+BASE_REPO, TURBO_REPO = "Qwen-Image-2.1", "Qwen-Image-2.1-Turbo"
+COMFY_DIT_PREFIX = "model.diffusion_model."  # seen in the wild; the Turbo file uses it to cover that layout
+SAFETENSORS_METADATA = {"format": "pt"}  # what transformers and diffusers write
+
+#: `model_index.json` of the diffusers repositories (CHECKPOINTS.md section 5); Turbo adds `sample_sigmas`.
+MODEL_INDEX = {
+    "_class_name": "QwenImage21Pipeline",
+    "_diffusers_version": "0.42.1",
+    "processor": ["transformers", "Qwen3VLProcessor"],
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
+    "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKLQwenImage21"],
+}
+#: `scheduler/scheduler_config.json` of Base (CHECKPOINTS.md 2.1); Turbo turns the shifts off.
+BASE_SCHEDULER = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.42.1", "num_train_timesteps": 1000,
+    "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256,
+    "max_image_seq_len": 8192, "shift_terminal": 0.02, "time_shift_type": "exponential", "invert_sigmas": False,
+    "stochastic_sampling": False, "use_karras_sigmas": False, "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+}
+TURBO_SCHEDULER = dict(BASE_SCHEDULER, use_dynamic_shifting=False, shift=1.0, shift_terminal=None)
+
+
+# -- the tokenizer --------------------------------------------------------------------------------------------
+#: Qwen2's added tokens at their real ids (id, text, special), as Qwen2/Qwen2.5/Qwen3-VL tokenizers list them.
+QWEN_ADDED_TOKENS = tuple((151643 + i, text, special) for i, (text, special) in enumerate((
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False),
+)))
+FIRST_ADDED_ID = QWEN_ADDED_TOKENS[0][0]
+QWEN_VOCAB_ROWS = 151936  # Qwen3-VL's embedding rows (the added tokens end at 151668; the rest is padding)
+
+#: What the generated BPE learns from: the template words, the system prompt, the test prompts and some English.
+#: The text encoder tests count tokens of this BPE: changing the corpus changes their numbers.
+TOKENIZER_CORPUS = (
+    "system", "user", "assistant", SYSTEM_PROMPT, "<image1> <image2> <image3>",
+    "A cat", "a much longer prompt about <image1> and a dog", "Put <image1> on the left",
+    "<image1> in the style of the last one", "<image1> at dusk", "<image1> on a table", "two",
+    "A photograph of a cat sitting on a wooden table next to a window, soft morning light.",
+    "The dog runs across the green field while the children watch from the hill.",
+    "Render the scene in the style of an old oil painting, with warm colours and visible brush strokes.",
+    "Replace the background with a quiet street at night, keeping the person in the foreground unchanged.",
+    "A red bicycle leans against a brick wall covered in ivy; the shadows are long and the sky is orange.",
+    "Write the words \"OPEN 24 HOURS\" on the neon sign above the door of the small shop.",
+    "Two people are talking in a cafe. One of them holds a cup of coffee, the other one is laughing.",
+    "Make it look like a watercolour illustration for a children's book about the sea and its animals.",
+)
+
+
+def write_qwen2_tokenizer(folder: Path, vocab_size: int = 1024) -> Path:
+    """Train a small byte-level BPE on `TOKENIZER_CORPUS` and write it in Qwen2's file format; returns `folder`.
+
+    The files are what ComfyUI's bundled `qwen25_tokenizer/` holds: vocab.json + merges.txt +
+    tokenizer_config.json. Qwen2's normalizer and pre-tokenizer are used, so the merges fit the way
+    `Qwen2Tokenizer` splits text. vocab.json holds the 256 byte symbols and the learned merges, padded with
+    `<unused N>` entries to id 151642 so that the added tokens land on their real ids (transformers appends added
+    tokens after the vocabulary instead of honouring the ids listed); byte-level BPE never produces those
+    entries, since a space is never a byte-level symbol.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    learned = json.loads(bpe.to_str())["model"]
+    vocab, merges = learned["vocab"], learned["merges"]
+    if sorted(vocab.values()) != list(range(len(vocab))) or len(vocab) >= FIRST_ADDED_ID:
+        raise RuntimeError(f"the trained BPE has {len(vocab)} non-contiguous or too many ids")
+    vocab.update({f"<unused {i}>": i for i in range(len(vocab), FIRST_ADDED_ID)})
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    lines = [" ".join(pair) if isinstance(pair, list) else pair for pair in merges]
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(lines) + "\n", encoding="utf-8")
+    added = {str(i): {"content": text, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": special} for i, text, special in QWEN_ADDED_TOKENS}
+    config = {
+        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
+        "additional_special_tokens": [t for _, t, special in QWEN_ADDED_TOKENS[1:] if special],
+        "bos_token": None, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+        "extra_special_tokens": {}, "model_max_length": 131072, "pad_token": "<|endoftext|>",
+        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return folder
+
+
+def write_processor(tokenizer_dir: Path, folder: Path) -> Path:
+    """A diffusers `processor/` folder: the tokenizer as transformers 5 saves it (tokenizer.json +
+    tokenizer_config.json) and the released image-processor settings (`preprocessor_config.json`)."""
+    folder = Path(folder)
+    Qwen2Tokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(str(folder))
+    settings = dict(IMAGE_PROCESSOR_DEFAULTS, image_processor_type="Qwen2VLImageProcessorFast",
+                    processor_class="Qwen3VLProcessor", do_resize=True, do_rescale=True, do_normalize=True,
+                    do_convert_rgb=True)
+    _write_json(folder / "preprocessor_config.json", settings)
+    return folder
+
+
+# -- random weights -------------------------------------------------------------------------------------------
+def _random(shape, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """fp32 values that are exactly representable in bf16, so every file layout holds the same numbers.
+
+    kind: "matrix" N(0, 1/fan_in) (fan_in = all dims but the first), "scale" 1 + N(0, 0.1^2),
+    "scale-1" N(0, 0.1^2) (a zero-centred norm's stored `scale - 1`), "bias" N(0, 0.05^2), "embedding" N(0, 1).
+    """
+    values = torch.randn(shape, generator=generator, dtype=torch.float32)
+    if kind == "matrix":
+        values /= math.sqrt(math.prod(shape[1:]))
+    elif kind == "scale":
+        values = 1 + 0.1 * values
+    elif kind == "scale-1":
+        values *= 0.1
+    elif kind == "bias":
+        values *= 0.05
+    elif kind != "embedding":
+        raise ValueError(f"unknown weight kind {kind!r}")
+    return values.bfloat16().float()
+
+
+def _meta_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+
+
+# -- DiT (CHECKPOINTS.md 1.2-1.3) -----------------------------------------------------------------------------
+#: Our parameter names -> diffusers names (rows split in order where one of ours fuses several).
+DIT_TOP_LEVEL = {
+    "time_embed.linear_1.weight": "time_text_embed.timestep_embedder.linear_1.weight",
+    "time_embed.linear_2.weight": "time_text_embed.timestep_embedder.linear_2.weight",
+    "txt_in.text_norm.weight": "txt_in.text_norm.weight",
+    "txt_in.in_layer.weight": "txt_in.in_layer.weight",
+    "txt_in.out_layer.weight": "txt_in.out_layer.weight",
+    "img_in.weight": "img_in.weight",
+    "modulation.weight": "modulation.1.weight",
+    "norm_out.weight": "norm_out.linear.weight",
+    "proj_out.weight": "proj_out.weight",
+}
+DIT_BLOCK = {
+    "qkv.weight": ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight"),
+    "norm_q": ("attn.norm_q.weight",),
+    "norm_k": ("attn.norm_k.weight",),
+    "to_out.weight": ("attn.to_out.0.weight",),
+    "gate_up.weight": ("img_mlp.gate_layer.weight", "img_mlp.proj.weight"),  # gate (SiLU branch) first
+    "down.weight": ("img_mlp.out.weight",),
+}
+
+
+def dit_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random DiT with our architecture (`QwenImage21DiT(config)`), in diffusers' layout (split MLP, fp32)."""
+    with torch.device("meta"):
+        shapes = _meta_shapes(QwenImage21DiT(config))
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if name in DIT_TOP_LEVEL:
+            targets = (DIT_TOP_LEVEL[name],)
+        else:
+            match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+            if match is None or match.group(2) not in DIT_BLOCK:
+                raise KeyError(f"the DiT has a parameter {name!r} that no file layout names; update DIT_BLOCK")
+            targets = tuple(f"transformer_blocks.{match.group(1)}.{part}" for part in DIT_BLOCK[match.group(2)])
+        kind = "scale-1" if name == "txt_in.text_norm.weight" else "scale" if len(shape) == 1 else "matrix"
+        for target, part in zip(targets, _random(shape, kind, generator).chunk(len(targets))):
+            out[target] = part.contiguous()
+    return out
+
+
+def comfy_dit_state_dict(diffusers_sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """ComfyUI's single-file layout: each block's `img_mlp.gate_up` = cat[gate_layer; proj], other keys as is."""
+    out = {}
+    for key, tensor in diffusers_sd.items():
+        if key.endswith("img_mlp.proj.weight"):
+            continue
+        if key.endswith("img_mlp.gate_layer.weight"):
+            block = key[: -len("gate_layer.weight")]
+            key, tensor = block + "gate_up.weight", torch.cat([tensor, diffusers_sd[block + "proj.weight"]])
+        out[prefix + key] = tensor
+    return out
+
+
+def dit_config_json(config: DiTConfig) -> dict:
+    """`transformer/config.json` (CHECKPOINTS.md 1.1) for `config`."""
+    return {
+        "_class_name": "QwenImage21Transformer2DModel", "_diffusers_version": "0.42.1", "patch_size": 1,
+        "in_channels": config.in_channels, "out_channels": config.out_channels, "num_layers": config.num_layers,
+        "attention_head_dim": config.head_dim, "num_attention_heads": config.num_heads,
+        "context_in_dim": config.context_in_dim, "mlp_ratio": config.mlp_ratio,
+        "axes_dims_rope": list(config.axes_dims_rope), "eps": config.eps, "causal_condition": config.causal_condition,
+    }
+
+
+# -- VAE (CHECKPOINTS.md 3.2-3.3) -----------------------------------------------------------------------------
+def vae_state_dict(config: QwenImage21VAEConfig = TINY_VAE, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random VAE with our architecture (`QwenImage21VAE(config)`) in diffusers' layout: 4-D convolutions,
+    resnet/head gammas `[C, 1, 1, 1]`, attention gammas `[C, 1, 1]`, and the `time_conv` weights diffusers has
+    for the temporal stages (encoder `[C, C, 1, 1]`, decoder `[2C, C, 1, 1]`; a single frame never runs them)."""
+    with torch.device("meta"):
+        shapes = _meta_shapes(QwenImage21VAE(config))
+    stages = len(config.dim_mult) - 1
+    for i, temporal in enumerate(config.temporal_downsample):
+        if temporal:
+            channels = shapes[f"encoder.down_blocks.{i}.downsampler.resample.1.weight"][0]
+            shapes[f"encoder.down_blocks.{i}.downsampler.time_conv.weight"] = (channels, channels, 1, 1)
+            shapes[f"encoder.down_blocks.{i}.downsampler.time_conv.bias"] = (channels,)
+        if config.temporal_downsample[stages - 1 - i]:  # the decoder mirrors the encoder
+            channels = shapes[f"decoder.up_blocks.{i}.upsampler.resample.1.weight"][1]
+            shapes[f"decoder.up_blocks.{i}.upsampler.time_conv.weight"] = (2 * channels, channels, 1, 1)
+            shapes[f"decoder.up_blocks.{i}.upsampler.time_conv.bias"] = (2 * channels,)
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        if name.endswith(".gamma"):
+            shape = (shape[0], 1, 1) if ".attentions." in name else (shape[0], 1, 1, 1)
+            out[name] = _random(shape, "scale", generator)
+        else:
+            out[name] = _random(shape, "bias" if name.endswith(".bias") else "matrix", generator)
+    return out
+
+
+#: diffusers part of a resnet -> its index in ComfyUI's `residual` Sequential (norm, SiLU, conv, norm, SiLU,
+#: dropout, conv), or `shortcut`.
+WAN_RESIDUAL = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
+                "conv_shortcut": "shortcut"}
+
+
+def wan_vae_key(name: str, num_res_blocks: int) -> str:
+    """ComfyUI's Wan 2.2 name (CHECKPOINTS.md 3.3) for a diffusers VAE key."""
+    side, _, rest = name.partition(".")
+    if side in ("quant_conv", "post_quant_conv"):
+        return {"quant_conv": "conv1", "post_quant_conv": "conv2"}[side] + "." + rest
+    head = {"conv_in": "conv1", "norm_out": "head.0", "conv_out": "head.2"}
+    block, _, rest = rest.partition(".")
+    if block in head:
+        return f"{side}.{head[block]}.{rest}"
+    if block == "mid_block":  # middle = [resnet 0, attention, resnet 1]
+        kind, index, rest = rest.split(".", 2)
+        if kind == "attentions":
+            return f"{side}.middle.1.{rest}"
+        part, _, leaf = rest.partition(".")
+        return f"{side}.middle.{2 * int(index)}.{WAN_RESIDUAL[part]}.{leaf}"
+    stage = {"down_blocks": "downsamples", "up_blocks": "upsamples"}[block]
+    index, kind, rest = rest.split(".", 2)
+    if kind in ("downsampler", "upsampler"):  # the resampler follows the stage's resnets
+        slot = num_res_blocks if side == "encoder" else num_res_blocks + 1
+        return f"{side}.{stage}.{index}.{stage}.{slot}.{rest}"
+    resnet, part, leaf = rest.split(".", 2)
+    return f"{side}.{stage}.{index}.{stage}.{resnet}.{WAN_RESIDUAL[part]}.{leaf}"
+
+
+def comfy_vae_state_dict(diffusers_sd: dict[str, torch.Tensor], num_res_blocks: int) -> dict[str, torch.Tensor]:
+    """ComfyUI's single file: Wan names, and the causal 3D convolutions' weights 5-D `[O, I, 1, kh, kw]`
+    (conv_in/out, resnet convs and shortcuts, time_conv, quant convs); `resample.1`, `to_qkv`, `proj` stay 2D."""
+    out = {}
+    for name, tensor in diffusers_sd.items():
+        causal = name.endswith(".weight") and tensor.ndim == 4 and not re.search(r"resample\.1\.|to_qkv\.|\.proj\.", name)
+        out[wan_vae_key(name, num_res_blocks)] = tensor.unsqueeze(2) if causal else tensor
+    return out
+
+
+def vae_config_json(config: QwenImage21VAEConfig) -> dict:
+    """`vae/config.json` (CHECKPOINTS.md 3.1) for `config`."""
+    return {
+        "_class_name": "AutoencoderKLQwenImage21", "_diffusers_version": "0.42.1", "base_dim": config.base_dim,
+        "decoder_base_dim": config.decoder_base_dim, "z_dim": config.z_dim, "dim_mult": list(config.dim_mult),
+        "num_res_blocks": config.num_res_blocks, "attn_scales": [],
+        "temperal_downsample": list(config.temporal_downsample), "dropout": 0.0, "is_residual": True,
+        "in_channels": config.in_channels, "out_channels": config.out_channels, "patch_size": None,
+        "latents_mean": list(config.latents_mean), "latents_std": list(config.latents_std),
+        "scale_factor_spatial": config.spatial_compression, "scale_factor_temporal": 8,
+    }
+
+
+# -- text encoder (CHECKPOINTS.md 4.1, 4.3) -------------------------------------------------------------------
+def tiny_text_encoder_config() -> Qwen3VLConfig:
+    """A tiny Qwen3-VL whose unseen values are the ones `text_encoder_loading` assumes for a single file.
+
+    M-RoPE split [2, 1, 1] is the released [24, 20, 20] scaled to head_dim 8 (`_scaled_mrope`); a 27-block tower
+    gets the 8B's DeepStack layers. One VLM token is still 32x32 px (patch 16, merge 2).
+    """
+    text = dict(vocab_size=QWEN_VOCAB_ROWS, hidden_size=TINY_DIT.context_in_dim, intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=8, attention_bias=False,
+                rms_norm_eps=RMS_NORM_EPS, max_position_embeddings=MAX_POSITIONS,
+                rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=27, hidden_size=64, intermediate_size=48, num_heads=VISION_HEADS,
+                  out_hidden_size=TINY_DIT.context_in_dim, in_channels=3, patch_size=16, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=64, deepstack_visual_indexes=[8, 16, 24])
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+def text_encoder_state_dict(config: Qwen3VLConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """transformers' `Qwen3VLForConditionalGeneration` names (LM head included), random fp32 weights."""
+    with torch.device("meta"):
+        shapes = _meta_shapes(Qwen3VLForConditionalGeneration(config))
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        if len(shape) == 1:
+            kind = "scale" if name.endswith(".weight") else "bias"
+        else:
+            kind = "embedding" if "embed_tokens" in name else "matrix"
+        out[name] = _random(shape, kind, generator)
+    return out
+
+
+def comfy_text_encoder_key(key: str) -> str:
+    """transformers' key -> ComfyUI's single-file key: the language model flattened under `model.`."""
+    return "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
+
+
+# -- files ----------------------------------------------------------------------------------------------------
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(path), metadata=SAFETENSORS_METADATA)
+    return path
+
+
+def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, stem: str, dtype: torch.dtype, shards: int = 2) -> Path:
+    """`{stem}-0000k-of-0000n.safetensors` + `{stem}.safetensors.index.json`, as `save_pretrained` shards."""
+    names = sorted(tensors)
+    size = math.ceil(len(names) / shards)
+    weight_map, total = {}, 0
+    for k in range(shards):
+        file = f"{stem}-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[k * size: (k + 1) * size]}
+        _save(part, folder / file, dtype)
+        weight_map.update({name: file for name in part})
+        total += sum(t.numel() * dtype.itemsize for t in part.values())
+    index = folder / f"{stem}.safetensors.index.json"
+    _write_json(index, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return index
+
+
+def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
+    """Write the tiny random model set under `root` (a ComfyUI models folder); returns where everything is.
+
+    Keys of the result: "root"; the single files "dit", "turbo_dit", "text_encoder", "tokenizer", "vae"; the
+    diffusers repositories "diffusers_base", "diffusers_turbo". Existing files are overwritten. The same seed
+    gives the same weights.
+    """
+    root = Path(root)
+    bf16 = torch.bfloat16
+    base_dit = dit_state_dict(TINY_DIT, seed)
+    turbo_dit = dit_state_dict(TINY_DIT, seed + 1)  # a different (distilled) set of weights
+    vae = vae_state_dict(TINY_VAE, seed + 2)
+    te_config = tiny_text_encoder_config()
+    text_encoder = text_encoder_state_dict(te_config, seed + 3)
+
+    paths = {
+        "root": root,
+        "dit": _save(comfy_dit_state_dict(base_dit), root / "diffusion_models" / DIT_FILE, bf16),
+        "turbo_dit": _save(comfy_dit_state_dict(turbo_dit, COMFY_DIT_PREFIX), root / "diffusion_models" / TURBO_DIT_FILE,
+                           bf16),
+        "text_encoder": _save({comfy_text_encoder_key(k): v for k, v in text_encoder.items()},
+                              root / "text_encoders" / TEXT_ENCODER_FILE, bf16),
+        "vae": _save(comfy_vae_state_dict(vae, TINY_VAE.num_res_blocks), root / "vae" / VAE_FILE, bf16),
+    }
+    tokenizer = root / "text_encoders" / (Path(TEXT_ENCODER_FILE).stem + "_tokenizer")  # found by find_tokenizer_dir
+    shutil.rmtree(tokenizer, ignore_errors=True)
+    paths["tokenizer"] = write_qwen2_tokenizer(tokenizer)
+
+    te_json = te_config.to_dict()
+    te_json.update(architectures=["Qwen3VLForConditionalGeneration"], dtype="bfloat16")
+    for key, repo, dit, sigmas, scheduler in (
+        ("diffusers_base", BASE_REPO, base_dit, None, BASE_SCHEDULER),
+        ("diffusers_turbo", TURBO_REPO, turbo_dit, TURBO_SIGMAS, TURBO_SCHEDULER),
+    ):
+        folder = root / "diffusers" / repo
+        shutil.rmtree(folder, ignore_errors=True)
+        _write_json(folder / "model_index.json", dict(MODEL_INDEX, **({"sample_sigmas": list(sigmas)} if sigmas else {})))
+        _write_json(folder / "scheduler" / "scheduler_config.json", scheduler)
+        _write_json(folder / "transformer" / "config.json", dit_config_json(TINY_DIT))
+        _save_sharded(dit, folder / "transformer", "diffusion_pytorch_model", bf16)
+        _write_json(folder / "vae" / "config.json", vae_config_json(TINY_VAE))
+        _save(vae, folder / "vae" / "diffusion_pytorch_model.safetensors", torch.float32)  # the release's VAE is fp32
+        _write_json(folder / "text_encoder" / "config.json", te_json)
+        if sigmas:  # Turbo ships its (identical) text encoder as one file, Base sharded (CHECKPOINTS.md 1.6)
+            _save(text_encoder, folder / "text_encoder" / "model.safetensors", bf16)
+        else:
+            _save_sharded(text_encoder, folder / "text_encoder", "model", bf16)
+        write_processor(tokenizer, folder / "processor")
+        paths[key] = folder
+    return paths
