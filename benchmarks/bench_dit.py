@@ -82,8 +82,21 @@ def timed(fn, repeats):
     return statistics.median(samples)
 
 
+def _cpu_sdpa_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """FLOPs of torch's CPU flash-attention op (QK^T and PV), which FlopCounterMode does not know."""
+    batch, heads, q_len, dim = query.shape
+    return 4 * batch * heads * q_len * key.shape[-2] * dim
+
+
+_cpu_sdpa_flops._get_raw = True  # take the tensors as they are (no shape wrapping)
+
+
 def flops(fn) -> int:
-    counter = FlopCounterMode(display=False)
+    """GEMM and attention FLOPs of one call. On CPU every SDPA call (ours and the public one) lands in
+    `_scaled_dot_product_flash_attention_for_cpu`, so it gets its formula here; text-segment masks are
+    counted as full attention, as for any masked SDPA."""
+    counter = FlopCounterMode(display=False, custom_mapping={
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops})
     with counter:
         fn()
     return counter.get_total_flops()

@@ -11,7 +11,10 @@ What we do differently is where the work goes:
 - rows are ragged: each distinct prompt's prefix appears once however many samples share it, so a batch of
   B seeds computes (and caches) its prefix once, and CFG's two prompts run in one forward without padding;
 - the last block and the output head skip the prefix rows (only their keys and values are needed there);
-- one fused QKV GEMM and one fused gate/up GEMM per block; RoPE and layouts are built once per run.
+- q and k are normed and rotated in one pass; RoPE tables and layouts are built once per run;
+- [q; k; v] and [gate; up] are single weights run as two GEMMs each, so every output is a dense buffer: on
+  an H200 the gapped halves of one fused output cost more in slow strided kernels than the fusion saved
+  (measured with benchmarks/bench_gpu.py, see the README).
 """
 
 import math
@@ -63,8 +66,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        return F.linear(x, weight)
+        return self.rows(x, 0, self.weight.shape[0])
+
+    def rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Output features `[start, end)` only: one GEMM over a contiguous block of weight rows."""
+        weight = self.weight[start:end]
+        return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -135,8 +142,11 @@ class Block(nn.Module):
         self.down = Linear(hidden, width, device=device, dtype=dtype)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        # [gate; up] stays one weight, used as two GEMMs: dense outputs keep SiLU and the product on fast
+        # contiguous kernels (halves of one output are gapped views); in place, to skip two temporaries.
+        hidden = self.gate_up.weight.shape[0] // 2
+        up = self.gate_up.rows(x, hidden, 2 * hidden)
+        return self.down(F.silu(self.gate_up.rows(x, 0, hidden), inplace=True).mul_(up))
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,12 +246,16 @@ class QwenImage21DiT(nn.Module):
         scale1, gate1, scale2, gate2 = mods.chunk(4, dim=-1)
         last = index == config.num_layers - 1
 
-        qkv = block.qkv(self._modulate(self._layer_norm(x), scale1, rows, prefix_rows))
-        qkv = qkv.unflatten(-1, (3, heads, head_dim))  # (N, 3, H, D)
-        # q and k are normed and rotated together: one pass over both instead of two
-        qk = head_rms_norm(qkv[:, :2], torch.stack([block.norm_q, block.norm_k])[:, None], config.eps)
-        qk = apply_rope(qk.to(qkv.dtype), rope)
-        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]  # (N, H, D) each
+        h = self._modulate(self._layer_norm(x), scale1, rows, prefix_rows)
+        width = config.width
+        # One weight [q; k; v], two GEMMs: [q; k] and v land in separate dense buffers, so every later
+        # elementwise kernel and the K/V concatenation run on contiguous memory (a single [q; k; v] output
+        # leaves q, k and v as gapped views, which GPUs copy through slow strided kernels).
+        qk = block.qkv.rows(h, 0, 2 * width).unflatten(-1, (2, heads, head_dim)).transpose(0, 1)  # (2, N, H, D)
+        v = block.qkv.rows(h, 2 * width, 3 * width).unflatten(-1, (heads, head_dim))  # (N, H, D)
+        qk = qk.to(torch.float32, memory_format=torch.contiguous_format)  # q and k normed and rotated together
+        qk = head_rms_norm(qk, torch.stack([block.norm_q, block.norm_k])[:, None, None], config.eps).to(v.dtype)
+        q, k = apply_rope(qk, rope[None, :, None]).unbind(0)  # (N, H, D) each, contiguous
 
         # The last block needs the prefix rows only as keys and values: drop them before anything else.
         first_out = rows.target_start if last else 0

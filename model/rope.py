@@ -23,11 +23,11 @@ def rope_angles(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: floa
 
 
 def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs `(x[2k], x[2k+1])` of `x` `(N, ..., head_dim)` in fp32 complex.
+    """Rotate interleaved channel pairs `(x[2k], x[2k+1])` of `x` `(..., head_dim)` in fp32 complex.
 
-    `rotations` is `(N, head_dim // 2)` complex; the result is contiguous in `x`'s dtype. One complex
-    multiply, as the reference does, so the fp32 arithmetic is the same.
+    `rotations` is complex and broadcasts against `x`'s pairs `(..., head_dim // 2)` (e.g. `(N, 1, D/2)` for
+    `(N, H, D)`); the result has `x`'s dtype and layout. One complex multiply, as the reference does, so the
+    fp32 arithmetic is the same.
     """
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (N, ..., D/2)
-    shape = (rotations.shape[0],) + (1,) * (pairs.ndim - 2) + (rotations.shape[1],)
-    return torch.view_as_real(pairs * rotations.view(shape)).flatten(-2).to(x.dtype)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)

@@ -101,11 +101,11 @@ def test_free_releases_the_payload(model):
 
 
 def test_cached_step_runs_only_target_rows(model):
-    """Counted, not timed: the QKV GEMM sees P + T rows at prefill, T rows after; the last block's output
-    projection and the head never see prefix rows."""
+    """Counted, not timed: the first block's output projection sees P + T rows at prefill, T rows after; the
+    last block's never sees prefix rows (they are needed there only as keys and values)."""
     _, prefixes, x = make_case(((4, 4),), (4, 6), (5, 7))
-    rows = {"qkv": [], "last_out": []}
-    hooks = [model.blocks[0].qkv.register_forward_hook(lambda m, i, o: rows["qkv"].append(i[0].shape[0])),
+    rows = {"first_out": [], "last_out": []}
+    hooks = [model.blocks[0].to_out.register_forward_hook(lambda m, i, o: rows["first_out"].append(i[0].shape[0])),
              model.blocks[-1].to_out.register_forward_hook(lambda m, i, o: rows["last_out"].append(i[0].shape[0]))]
     try:
         run_cached(model, prefixes, [x, x], [torch.tensor([1.0]), torch.tensor([0.5])], "sdpa")
@@ -113,7 +113,7 @@ def test_cached_step_runs_only_target_rows(model):
         for hook in hooks:
             hook.remove()
     prefix, target = prefixes[0].layout.prefix_len, prefixes[0].layout.target_len
-    assert rows["qkv"] == [prefix + target, target]
+    assert rows["first_out"] == [prefix + target, target]
     assert rows["last_out"] == [target, target]
 
 
