@@ -1,0 +1,345 @@
+"""The example UI workflows in ComfyUI's real front end, in headless Chromium driven by Playwright.
+
+Uses the ComfyUI server of tests/test_comfyui_server.py (same settings, same fixture; see its docstring for the
+set-up). For each workflow in workflows/ (and example_workflows/): it loads into the app with no missing node,
+every node type is registered, the front-end extension (web/qi21.js) adds its "aspect preset" and "prefix cache"
+widgets to the samplers without touching what is saved (widgets_values) or queued (the API prompt equals
+workflows/api/<same name>.json), the preset fills width/height, and a screenshot of the graph and of each sampler
+is saved; the same widgets in the Vue node renderer ("Modern node design"), the estimate read-only. Skipped when no ComfyUI is configured, when the `playwright` package is missing, or when no Chromium
+is installed (the test never downloads a browser).
+
+Test settings besides the server's:
+    QI21_CHROMIUM         the Chromium/Chrome executable (default: chromium, chromium-browser, google-chrome on PATH)
+    QI21_SCREENSHOT_DIR   also copy the screenshots there (they are always written under pytest's tmp_path)
+"""
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "comfyui"))
+import qi21_comfy_harness as harness  # noqa: E402  (tests/comfyui/ is not a package)
+
+try:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+except ImportError:  # no playwright: the browser tests skip (see browser_page)
+    PlaywrightTimeout = TimeoutError
+
+UI_FILES = harness.ui_workflows()
+PRESET_WIDGET, ESTIMATE_WIDGET = "qi21_aspect_preset", "qi21_prefix_estimate"
+PRESET_LABEL, ESTIMATE_LABEL = "aspect preset", "prefix cache"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+VIEWPORT = {"width": 1920, "height": 1200}
+APP_TIMEOUT_MS = 120_000
+
+
+@pytest.fixture(scope="session")
+def comfyui_server(request) -> harness.ComfyServer:
+    """The ComfyUI server shared by tests/test_comfyui_server.py and tests/test_comfyui_browser.py."""
+    return harness.server_for(request)
+
+#: Registers a probe extension that records what loadGraphData reports missing (its afterConfigureGraph hook
+#: receives the same list the missing-nodes dialog shows).
+PROBE = """() => {
+  window.__qi21 = { missing: null };
+  app.registerExtension({
+    name: "qi21.tests.probe",
+    async afterConfigureGraph(missing) {
+      window.__qi21.missing = (missing || []).map((m) => (typeof m === "string" ? m : m.type));
+    },
+  });
+}"""
+
+LOAD = """async ([workflow, name]) => {
+  window.__qi21.missing = null;
+  await app.loadGraphData(workflow, true, true, name);
+  return window.__qi21.missing;
+}"""
+
+#: What the tests read back from the loaded graph.
+STATE = """() => {
+  const graph = app.rootGraph ?? app.graph;
+  return graph._nodes.map((n) => ({
+    id: String(n.id), type: n.type, comfyClass: n.comfyClass ?? null,
+    widgets: (n.widgets || []).map((w) => ({
+      name: w.name, label: w.label ?? null, type: w.type, value: w.value,
+      serialize: w.serialize ?? null, optionsSerialize: w.options?.serialize ?? null,
+      values: Array.isArray(w.options?.values) ? w.options.values : null,
+    })),
+  }));
+}"""
+
+SET_WIDGET = """([nodeId, name, value]) => {
+  const graph = app.rootGraph ?? app.graph;
+  const node = graph.getNodeById(Number(nodeId)) ?? graph.getNodeById(nodeId);
+  const widget = node.widgets.find((w) => w.name === name);
+  if (typeof widget.setValue === "function") widget.setValue(value, { e: undefined, node, canvas: app.canvas });
+  else { widget.value = value; widget.callback?.(value, app.canvas, node); }
+  return Object.fromEntries(node.widgets.map((w) => [w.name, w.value]));
+}"""
+
+FIT_VIEW = """async () => {
+  try { await app.extensionManager.command.execute("Comfy.Canvas.FitView"); }
+  catch (e) { app.canvas.ds.reset?.(); }
+  app.canvas.setDirty(true, true);
+  app.canvas.draw?.(true, true);
+}"""
+
+#: Centre the canvas on one node at scale 1.2; returns its screen rectangle (title bar included).
+FOCUS_NODE = """(nodeId) => {
+  const graph = app.rootGraph ?? app.graph;
+  const node = graph.getNodeById(Number(nodeId)) ?? graph.getNodeById(nodeId);
+  const ds = app.canvas.ds, scale = 1.2, title = LiteGraph.NODE_TITLE_HEIGHT ?? 30;
+  const canvasRect = app.canvas.canvas.getBoundingClientRect();
+  ds.scale = scale;
+  ds.offset[0] = (canvasRect.width / 2) / scale - node.pos[0] - node.size[0] / 2;
+  ds.offset[1] = (canvasRect.height / 2) / scale - node.pos[1] - node.size[1] / 2;
+  app.canvas.setDirty(true, true);
+  app.canvas.draw?.(true, true);
+  const x = canvasRect.left + (node.pos[0] + ds.offset[0]) * scale;
+  const y = canvasRect.top + (node.pos[1] - title + ds.offset[1]) * scale;
+  return { x: x - 12, y: y - 12, width: node.size[0] * scale + 24, height: (node.size[1] + title) * scale + 24 };
+}"""
+
+
+def chromium_executable() -> str:
+    wanted = os.environ.get("QI21_CHROMIUM", "").strip()
+    candidates = [wanted] if wanted else ["chromium", "chromium-browser", "google-chrome", "google-chrome-stable"]
+    for candidate in candidates:
+        found = shutil.which(candidate) or (candidate if Path(candidate).is_file() else None)
+        if found:
+            return found
+    pytest.skip(f"no browser: install Debian's chromium (apt-get install chromium) or set QI21_CHROMIUM "
+                f"(looked for {', '.join(candidates)})")
+
+
+@pytest.fixture(scope="module")
+def screenshot_dirs(tmp_path_factory) -> list[Path]:
+    dirs = [tmp_path_factory.mktemp("qi21_screens")]
+    extra = os.environ.get("QI21_SCREENSHOT_DIR", "").strip()
+    if extra:
+        Path(extra).mkdir(parents=True, exist_ok=True)
+        dirs.append(Path(extra))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def browser_page(request, tmp_path_factory):
+    """The ComfyUI app, ready, in headless Chromium; yields (page, messages the page logged). The server is
+    started only once a browser is known to be there."""
+    harness.configured_comfyui()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the `playwright` package is not installed "
+                                   "(pip install playwright; its browsers are not needed)")
+    executable = chromium_executable()
+    comfyui_server = request.getfixturevalue("comfyui_server")
+    profile = tmp_path_factory.mktemp("chromium_profile")
+    messages = []
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(profile), executable_path=executable, headless=True, args=CHROMIUM_FLAGS, viewport=VIEWPORT)
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.on("console", lambda m: messages.append(f"console.{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: messages.append(f"pageerror: {e}"))
+            page.on("response", lambda r: messages.append(f"http {r.status}: {r.url}") if r.status >= 400 else None)
+            page.goto(comfyui_server.url, wait_until="domcontentloaded")
+            try:
+                # ready = nodes registered and the start-up workflow loaded (it would otherwise replace ours)
+                page.wait_for_function("() => window.app?.graph && window.LiteGraph?.registered_node_types?.SaveImage "
+                                       "&& window.app.extensionManager?.workflow?.activeWorkflow",
+                                       timeout=APP_TIMEOUT_MS)
+            except PlaywrightTimeout:
+                pytest.fail("the ComfyUI front end did not become ready:\n" + "\n".join(messages[-40:]))
+            page.evaluate(PROBE)
+            yield page, messages
+        finally:
+            context.close()
+
+
+def test_the_front_end_registers_our_nodes_and_extension(browser_page):
+    page, messages = browser_page
+    pack = f"/extensions/{harness.pack_dir_name()}/"
+    types = page.evaluate("() => Object.keys(LiteGraph.registered_node_types)")
+    for node_id in ("QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader", "QI21Reference", "QI21TextEncode",
+                    "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode"):
+        assert node_id in types
+    names = page.evaluate("() => (app.extensions || []).map((e) => e.name)")
+    assert "QwenImage21.SamplerWidgets" in names, "web/qi21.js was not loaded as an extension"
+    bad = [m for m in messages if pack in m and m.startswith("http ")]
+    assert not bad, bad
+
+
+def _by_name(node: dict) -> dict:
+    return {w["name"]: w for w in node["widgets"]}
+
+
+def _api_twin(path: Path) -> Path | None:
+    twin = harness.API_WORKFLOW_FOLDER / path.name
+    return twin if twin.is_file() else None
+
+
+@pytest.mark.parametrize("path", UI_FILES or [None], ids=[p.stem for p in UI_FILES] or ["none"])
+def test_ui_workflow_loads_with_the_extension_widgets(browser_page, screenshot_dirs, path):
+    if path is None:
+        pytest.skip("workflows/ holds no UI workflow yet")
+    page, messages = browser_page
+    first_message = len(messages)
+    workflow = json.loads(path.read_text())
+
+    registered = set(page.evaluate("() => Object.keys(LiteGraph.registered_node_types)"))
+    unknown = sorted({n["type"] for n in workflow["nodes"]} - registered)
+    assert not unknown, f"{path.name}: node types the front end does not know: {unknown}"
+    missing = page.evaluate(LOAD, [workflow, path.name])
+    assert missing == [], f"{path.name}: the front end reports missing nodes {missing}"
+    page.wait_for_timeout(1500)  # the extension refreshes its estimate on a 1 s poll
+
+    nodes = {n["id"]: n for n in page.evaluate(STATE)}
+    assert {i: n["type"] for i, n in nodes.items()} == {str(n["id"]): n["type"] for n in workflow["nodes"]}, \
+        f"the graph on the canvas is not {path.name}"
+    samplers = [n for n in nodes.values() if n["type"] in harness.SAMPLERS]
+    assert samplers or not any(n["type"] in harness.SAMPLERS for n in workflow["nodes"])
+    for sampler in samplers:
+        widgets = _by_name(sampler)
+        assert PRESET_WIDGET in widgets and ESTIMATE_WIDGET in widgets, \
+            f"{path.name}: node {sampler['id']} lacks the extension's widgets: {list(widgets)}"
+        preset, estimate = widgets[PRESET_WIDGET], widgets[ESTIMATE_WIDGET]
+        assert (preset["label"], preset["type"], estimate["label"], estimate["type"]) == \
+            (PRESET_LABEL, "combo", ESTIMATE_LABEL, "text")
+        assert [w["name"] for w in sampler["widgets"]][-2:] == [PRESET_WIDGET, ESTIMATE_WIDGET], "appended last"
+        for widget in (preset, estimate):
+            assert widget["serialize"] is False and widget["optionsSerialize"] is False, "front-end only"
+        assert preset["value"] in preset["values"]
+        width, height = widgets["width"]["value"], widgets["height"]["value"]
+        assert preset["value"] != "custom" or (width, height) not in _preset_sizes(preset["values"]).values()
+        assert "token" in str(estimate["value"]), f"{path.name}: prefix estimate {estimate['value']!r}"
+
+    # what is saved and what is queued are the files' own: the extension adds nothing to either
+    saved = page.evaluate("() => (app.rootGraph ?? app.graph).serialize()")
+    saved_values = {str(n["id"]): n.get("widgets_values") for n in saved["nodes"]}
+    for node in workflow["nodes"]:
+        assert (saved_values[str(node["id"])] or []) == (node.get("widgets_values") or []), \
+            f"{path.name}: node {node['id']} ({node['type']}) saves other widget values after loading"
+    twin = _api_twin(path)
+    if twin is not None:
+        queued = page.evaluate("async () => (await app.graphToPrompt()).output")
+        expected = json.loads(twin.read_text())
+        assert {k: (v["class_type"], v["inputs"]) for k, v in queued.items()} == \
+            {k: (v["class_type"], v["inputs"]) for k, v in expected.items()}, \
+            f"the front end queues {path.name} differently from {twin.relative_to(harness.REPO)}"
+
+    _screenshots(page, screenshot_dirs, path.stem, [s["id"] for s in samplers])
+
+    for sampler in samplers:  # the preset fills width/height; a hand edit shows "custom"
+        sizes = _preset_sizes(_by_name(sampler)[PRESET_WIDGET]["values"])
+        label, (width, height) = next((k, v) for k, v in sizes.items() if v[0] != v[1])
+        values = page.evaluate(SET_WIDGET, [sampler["id"], PRESET_WIDGET, label])
+        assert (values["width"], values["height"]) == (width, height), f"preset {label!r} -> {values}"
+        values = page.evaluate(SET_WIDGET, [sampler["id"], "width", width + 32])
+        page.wait_for_timeout(100)
+        assert _by_name(_node(page, sampler["id"]))[PRESET_WIDGET]["value"] == "custom", values
+
+    ours = [m for m in messages[first_message:] if "Qwen-Image 2.1" in m or "qi21" in m.lower()]
+    assert not ours, f"{path.name}: the extension logged\n" + "\n".join(ours)
+    errors = [m for m in messages[first_message:] if m.startswith("pageerror")]
+    assert not errors, "\n".join(errors)
+
+
+def _node(page, node_id: str) -> dict:
+    return next(n for n in page.evaluate(STATE) if n["id"] == node_id)
+
+
+def _preset_sizes(labels) -> dict:
+    """{label: (width, height)} for the labels that name a size, e.g. "16:9 (1376x768)"."""
+    sizes = {}
+    for label in labels:
+        found = re.search(r"(\d+)\s*[x×]\s*(\d+)", str(label))
+        if found:
+            sizes[label] = (int(found.group(1)), int(found.group(2)))
+    return sizes
+
+
+def _screenshots(page, dirs, stem: str, sampler_ids) -> None:
+    page.evaluate(FIT_VIEW)
+    page.wait_for_timeout(500)
+    shots = [(f"{stem}.png", None)]
+    for sampler_id in sampler_ids:
+        shots.append((f"{stem}_sampler_{sampler_id}.png", sampler_id))
+    for name, sampler_id in shots:
+        clip = None
+        if sampler_id is not None:
+            clip = page.evaluate(FOCUS_NODE, sampler_id)
+            page.wait_for_timeout(300)
+            clip = {k: max(0, v) for k, v in clip.items()}
+        target = dirs[0] / name
+        page.screenshot(path=str(target), clip=clip)
+        assert target.stat().st_size > 10_000, f"{target}: suspiciously small screenshot"
+        for extra in dirs[1:]:
+            shutil.copyfile(target, extra / name)
+
+
+#: The sampler nodes' widgets as the Vue renderer draws them: {node id: {"preset": aria label found,
+#: "estimate": [value, readOnly] or null}}.
+VUE_WIDGETS = """(ids) => Object.fromEntries(ids.map((id) => {
+  const el = document.querySelector(`[data-node-id="${id}"]`);
+  const preset = el?.querySelector('[role="combobox"][aria-label="aspect preset"]');
+  const estimate = el?.querySelector('input[aria-label="qi21_prefix_estimate"]');
+  return [id, { found: !!el, preset: !!preset, estimate: estimate ? [estimate.value, estimate.readOnly] : null }];
+}))"""
+
+
+@pytest.fixture(scope="module")
+def vue_nodes(browser_page):
+    page, _ = browser_page
+    setting = "Comfy.VueNodes.Enabled"
+    before = page.evaluate(f"() => app.extensionManager.setting.get('{setting}')")
+    page.evaluate(f"async () => app.extensionManager.setting.set('{setting}', true)")
+    yield page
+    page.evaluate(f"async (value) => app.extensionManager.setting.set('{setting}', value)", before)
+
+
+@pytest.mark.parametrize("path", UI_FILES or [None], ids=[p.stem for p in UI_FILES] or ["none"])
+def test_ui_workflow_widgets_in_the_vue_node_renderer(vue_nodes, browser_page, screenshot_dirs, path):
+    if path is None:
+        pytest.skip("workflows/ holds no UI workflow yet")
+    page, messages = browser_page
+    first_message = len(messages)
+    workflow = json.loads(path.read_text())
+    assert page.evaluate(LOAD, [workflow, f"vue_{path.name}"]) == []
+    samplers = [str(n["id"]) for n in workflow["nodes"] if n["type"] in harness.SAMPLERS]
+    try:
+        page.wait_for_function("(ids) => ids.every((id) => document.querySelector(`[data-node-id='${id}'] "
+                               "input[aria-label='qi21_prefix_estimate']`)?.value)", arg=samplers, timeout=10_000)
+    except PlaywrightTimeout:
+        pass  # what was found is reported below
+    found = page.evaluate(VUE_WIDGETS, samplers)
+    for node_id, widgets in found.items():
+        assert widgets["found"], f"{path.name}: sampler {node_id} is not drawn as a Vue node"
+        assert widgets["preset"], f"{path.name}: sampler {node_id} shows no 'aspect preset' combo: {widgets}"
+        assert widgets["estimate"] and "token" in widgets["estimate"][0], f"{path.name}: {widgets}"
+        assert widgets["estimate"][1] is True, f"{path.name}: the prefix estimate is editable in the Vue renderer"
+    page.evaluate(FIT_VIEW)
+    page.wait_for_timeout(500)
+    target = screenshot_dirs[0] / f"{path.stem}_vue.png"
+    page.screenshot(path=str(target))
+    for extra in screenshot_dirs[1:]:
+        shutil.copyfile(target, extra / target.name)
+    errors = [m for m in messages[first_message:] if m.startswith("pageerror") or "Qwen-Image 2.1" in m]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_missing_node_probe_catches_an_unknown_node(browser_page):
+    """The check above can fail: a node type nobody registered is reported by the same hook."""
+    if not UI_FILES:
+        pytest.skip("workflows/ holds no UI workflow yet")
+    page, _ = browser_page
+    workflow = json.loads(UI_FILES[0].read_text())
+    workflow["nodes"][0]["type"] = "QI21NoSuchNode"
+    missing = page.evaluate(LOAD, [workflow, "probe_check.json"])
+    page.keyboard.press("Escape")
+    assert missing == ["QI21NoSuchNode"]

@@ -1,0 +1,416 @@
+"""The pack inside a real ComfyUI server: /object_info against the node contract (DESIGN.md section 2) and
+against our stand-in API, every API example workflow run through POST /prompt on tiny random checkpoints, the
+`qi21_report` UI entry in /history, the saved PNGs, the prefix cache kept across prompts, and a clean log.
+
+Skipped unless a ComfyUI checkout is configured (test settings, read only by the tests):
+    QI21_COMFYUI            path to a ComfyUI checkout (the folder with main.py)
+    QI21_COMFYUI_PYTHON     its interpreter (default: the one running pytest)
+    QI21_KEEP_COMFYUI_BASE  set to keep the server's temporary base directory (models, output, comfyui.log)
+The server (tests/comfyui/qi21_comfy_harness.py) runs from a temporary --base-directory: models/ from
+demo/tiny_checkpoints.py, input/ with the images the workflows load, custom_nodes/<pack> a symlink to this
+repository. Nothing in the checkout or in your own ComfyUI folders is written.
+
+Set-up, as done on the development machine (CPU only, ComfyUI 2026-08, commit 783545f, frontend 1.49.6):
+
+    # 1. a ComfyUI checkout (any recent one; ComfyUI's own repository works the same way)
+    git clone /work/.mirror/yzkee+ComfyUI/repo /work/comfyui
+    #    (that snapshot lacks files >= 4 MiB, which makes the clone's checkout stop; check out the rest with
+    #    cd /work/comfyui && git ls-tree -r --name-only HEAD | while read f; do git cat-file -e "HEAD:$f" \\
+    #        2>/dev/null && echo "$f"; done > /tmp/present && git checkout HEAD --pathspec-from-file=/tmp/present )
+    # 2. its own venv: the local CPU torch first, then ComfyUI's requirements without torch/torchvision/torchaudio
+    #    (pinned so that nothing upgrades torch to a CUDA build) and spandrel without its torchvision dependency
+    python3 -m venv /work/comfyvenv
+    /work/comfyvenv/bin/pip install torch==2.13.0
+    grep -v -E '^(torch|torchvision|torchaudio|spandrel)$' /work/comfyui/requirements.txt > /tmp/comfy_req.txt
+    echo torch==2.13.0 > /tmp/torch_pin.txt
+    /work/comfyvenv/bin/pip install -c /tmp/torch_pin.txt -r /tmp/comfy_req.txt
+    /work/comfyvenv/bin/pip install --no-deps spandrel
+    #    (this pack's runtime dependencies, safetensors transformers einops numpy pillow, come with those;
+    #    torchvision and torchaudio are replaced by the empty stand-ins of tests/comfyui/stubs/, put on the
+    #    server's PYTHONPATH by the fixture only when that venv cannot import them)
+    # 3. for tests/test_comfyui_browser.py: Debian's Chromium and the Playwright client (never its browsers)
+    apt-get install -y chromium
+    /work/venv/bin/pip install playwright
+    # 4. run (about 1.5 min for the server tests and 1 min for the browser tests on 2 CPU cores)
+    cd /work/main
+    QI21_COMFYUI=/work/comfyui QI21_COMFYUI_PYTHON=/work/comfyvenv/bin/python QI21_SCREENSHOT_DIR=/tmp/qi21_screens \\
+        /work/venv/bin/python -m pytest -q tests/test_comfyui_server.py tests/test_comfyui_browser.py
+
+To look at the server by hand: the same base directory layout, then
+    cd /work/comfyui && PYTHONPATH=/work/main/tests/comfyui/stubs /work/comfyvenv/bin/python main.py --cpu \\
+        --listen 127.0.0.1 --port 8188 --base-directory <base> --database-url sqlite:///:memory:
+"""
+
+import io as _io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "comfyui"))
+import qi21_comfy_harness as harness  # noqa: E402  (tests/comfyui/ is not a package)
+
+NODE_IDS = ["QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader", "QI21Reference", "QI21TextEncode",
+            "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode"]
+MODEL_DTYPES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn"]
+REPORT_KEYS = {"prefix_tokens", "target_tokens", "batch", "steps", "cache", "cache_bytes", "cache_device",
+               "prefill_seconds", "step_seconds"}
+TURBO_STEPS = 8  # the stored 8-sigma schedule
+
+#: DESIGN.md section 2: required inputs (in order: saved workflows match widget values by position), optional
+#: inputs (the contract's come first; more may be appended), output types.
+CONTRACT = {
+    "QI21ModelLoader": ([("model_name", "COMBO"), ("weight_dtype", "COMBO")], [("attention", "COMBO")],
+                        ["QI21_MODEL"]),
+    "QI21TextEncoderLoader": ([("text_encoder_name", "COMBO"), ("weight_dtype", "COMBO")], [("device", "COMBO")],
+                              ["QI21_TEXT_ENCODER"]),
+    "QI21VAELoader": ([("vae_name", "COMBO"), ("weight_dtype", "COMBO")], [], ["QI21_VAE"]),
+    "QI21Reference": ([("vae", "QI21_VAE"), ("image", "IMAGE"), ("resolution", "INT")],
+                      [("mask", "MASK"), ("references", "QI21_REFERENCES")], ["QI21_REFERENCES"]),
+    "QI21TextEncode": ([("text_encoder", "QI21_TEXT_ENCODER"), ("prompt", "STRING")],
+                       [("references", "QI21_REFERENCES")], ["QI21_CONDITIONING"]),
+    "QI21Sampler": ([("model", "QI21_MODEL"), ("positive", "QI21_CONDITIONING"), ("seed", "INT"), ("steps", "INT"),
+                     ("cfg", "FLOAT"), ("width", "INT"), ("height", "INT"), ("batch_size", "INT")],
+                    [("negative", "QI21_CONDITIONING"), ("prefix_cache", "COMBO"), ("keep_cache", "BOOLEAN")],
+                    ["LATENT"]),
+    "QI21TurboSampler": ([("model", "QI21_MODEL"), ("positive", "QI21_CONDITIONING"), ("seed", "INT"),
+                          ("width", "INT"), ("height", "INT"), ("batch_size", "INT")],
+                         [("prefix_cache", "COMBO"), ("keep_cache", "BOOLEAN")], ["LATENT"]),
+    "QI21VAEDecode": ([("vae", "QI21_VAE"), ("samples", "LATENT")], [("tiled", "COMBO")], ["IMAGE", "MASK", "IMAGE"]),
+}
+#: Options and defaults the contract fixes: (node, input) -> {key: value}.
+CONTRACT_OPTIONS = {
+    ("QI21ModelLoader", "weight_dtype"): {"options": MODEL_DTYPES, "default": "default"},
+    ("QI21ModelLoader", "attention"): {"options": ["auto", "sdpa", "flex"]},
+    ("QI21TextEncoderLoader", "weight_dtype"): {"default": "default"},
+    ("QI21TextEncoderLoader", "device"): {"options": ["default", "cpu"]},
+    ("QI21VAELoader", "weight_dtype"): {"default": "default"},
+    ("QI21Reference", "resolution"): {"default": 1024, "min": 0},
+    ("QI21TextEncode", "prompt"): {"multiline": True},
+    ("QI21Sampler", "steps"): {"default": 40},
+    ("QI21Sampler", "cfg"): {"default": 1.0},
+    ("QI21Sampler", "prefix_cache"): {"options": ["on", "off"]},
+    ("QI21Sampler", "keep_cache"): {"default": False},
+    ("QI21TurboSampler", "prefix_cache"): {"options": ["on", "off"]},
+    ("QI21TurboSampler", "keep_cache"): {"default": False},
+}
+#: The tiny checkpoint set's files, as the loaders must list them (single files and diffusers folders).
+LISTED_MODELS = {
+    ("QI21ModelLoader", "model_name"): ["qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_turbo_bf16.safetensors",
+                                        "Qwen-Image-2.1", "Qwen-Image-2.1-Turbo"],
+    ("QI21TextEncoderLoader", "text_encoder_name"): ["qwen3vl_8b_bf16.safetensors", "Qwen-Image-2.1"],
+    ("QI21VAELoader", "vae_name"): ["qwen_image_2.1_vae_bf16.safetensors", "Qwen-Image-2.1"],
+}
+
+API_FILES = harness.api_workflows()
+
+
+@pytest.fixture(scope="session")
+def comfyui_server(request) -> harness.ComfyServer:
+    """The ComfyUI server shared by tests/test_comfyui_server.py and tests/test_comfyui_browser.py."""
+    return harness.server_for(request)
+
+
+@pytest.fixture(scope="module")
+def object_info(comfyui_server):
+    return comfyui_server.get_json("/object_info")
+
+
+def _inputs(info: dict, section: str) -> list[tuple[str, list]]:
+    order = info.get("input_order", {}).get(section) or list(info["input"].get(section, {}))
+    return [(name, info["input"][section][name]) for name in order]
+
+
+def _options(spec: list) -> dict:
+    return spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+
+
+def _combo_values(spec: list) -> list:
+    """Combo choices in either /object_info form: ["COMBO", {"options": [...]}] or [[...], {...}]."""
+    return spec[0] if isinstance(spec[0], list) else _options(spec).get("options", [])
+
+
+def _io_type(spec: list) -> str:
+    return "COMBO" if isinstance(spec[0], list) else spec[0]
+
+
+# -- the harness's own helpers (no ComfyUI needed) ----------------------------------------------------------------
+def test_the_traceback_scanner_reads_comfyui_logs():
+    log = ("\x1b[32m[INFO]\x1b[0m got prompt\n"
+           "\x1b[1m\x1b[31m[ERROR]\x1b[0m !!! Exception during processing !!! boom\n"
+           "\x1b[1m\x1b[31m[ERROR]\x1b[0m Traceback (most recent call last):\n"
+           '  File "/x/custom_nodes/pack/nodes/bridge.py", line 93, in f\n'
+           "    folder = Path(comfy.__file__)\n"
+           "TypeError: boom\n"
+           "\x1b[32m[INFO]\x1b[0m Prompt executed in 0.1 seconds\n"
+           "Traceback (most recent call last):\n"
+           '  File "/x/comfy/other.py", line 1, in g\n'
+           "ValueError: not ours\n")
+    blocks = harness.tracebacks(log)
+    assert len(blocks) == 2
+    assert "bridge.py" in blocks[0] and blocks[0].endswith("TypeError: boom")
+    assert blocks[1].endswith("ValueError: not ours") and "bridge.py" not in blocks[1]
+
+
+def test_shrink_prompt_keeps_follow_the_reference_and_caps_the_work():
+    prompt = {
+        "1": {"class_type": "QI21Reference", "inputs": {"resolution": 1024}},
+        "2": {"class_type": "QI21TextEncode", "inputs": {"references": ["1", 0]}},
+        "3": {"class_type": "QI21Sampler", "inputs": {"positive": ["2", 0], "width": 0, "height": 0, "steps": 40}},
+        "4": {"class_type": "QI21TextEncode", "inputs": {}},
+        "5": {"class_type": "QI21TurboSampler", "inputs": {"positive": ["4", 0], "width": 0, "height": 1024}},
+    }
+    small, changes = harness.shrink_prompt(prompt)
+    assert small["1"]["inputs"]["resolution"] == harness.SMALL_REFERENCE_RESOLUTION
+    assert (small["3"]["inputs"]["width"], small["3"]["inputs"]["height"], small["3"]["inputs"]["steps"]) == (0, 0, 3)
+    assert (small["5"]["inputs"]["width"], small["5"]["inputs"]["height"]) == (256, 256)
+    assert prompt["3"]["inputs"]["steps"] == 40 and len(changes) == 4, changes
+
+
+# -- the pack loads --------------------------------------------------------------------------------------------
+def test_the_pack_loads_and_serves_its_front_end_and_workflows(comfyui_server):
+    log = comfyui_server.log_text()
+    import_lines = [line for line in log.splitlines() if comfyui_server.pack_name in line]
+    assert any("seconds" in line and "IMPORT FAILED" not in line for line in import_lines), \
+        f"no successful import of the pack in the log\n{comfyui_server.log_tail()}"
+    assert not any("IMPORT FAILED" in line for line in import_lines), "\n".join(import_lines)
+
+    extensions = comfyui_server.get_json("/extensions")
+    assert f"/extensions/{comfyui_server.pack_name}/qi21.js" in extensions, extensions
+    script = comfyui_server.request(f"/extensions/{comfyui_server.pack_name}/qi21.js").decode()
+    assert "registerExtension" in script
+
+    listed = comfyui_server.get_json("/workflow_templates").get(comfyui_server.pack_name, [])
+    expected = sorted(p.stem for p in harness.ui_workflows())
+    assert sorted(listed) == expected, "the UI example workflows are ComfyUI's templates for this pack (API files not)"
+
+
+# -- (1) /object_info against the contract ---------------------------------------------------------------------
+@pytest.mark.parametrize("node_id", NODE_IDS)
+def test_object_info_matches_the_contract(object_info, node_id):
+    assert node_id in object_info, f"{node_id} is not registered"
+    info = object_info[node_id]
+    required, optional, outputs = CONTRACT[node_id]
+    assert [(n, _io_type(s)) for n, s in _inputs(info, "required")] == required
+    real_optional = [(n, _io_type(s)) for n, s in _inputs(info, "optional")]
+    assert real_optional[:len(optional)] == optional, "contract's optional inputs first; new ones only appended"
+    assert info["output"] == outputs
+    assert info["display_name"].startswith("Qwen-Image 2.1") and info["category"] == "Qwen-Image 2.1"
+    assert info["output_node"] is False
+
+    specs = dict(_inputs(info, "required") + _inputs(info, "optional"))
+    for (node, name), wanted in CONTRACT_OPTIONS.items():
+        if node != node_id:
+            continue
+        got = _options(specs[name])
+        for key, value in wanted.items():
+            actual = _combo_values(specs[name]) if key == "options" else got.get(key)
+            assert actual == value, f"{node_id}.{name}: {key} = {actual!r}, the contract says {value!r}"
+    for name, spec in specs.items():
+        if name == "weight_dtype":
+            values = _combo_values(spec)
+            assert values[0] == "default" and set(values) <= set(MODEL_DTYPES), f"{node_id}.weight_dtype: {values}"
+    for (node, name), files in LISTED_MODELS.items():
+        if node == node_id:
+            values = _combo_values(specs[name])
+            for file in files:
+                assert any(v == file or v.endswith("/" + file) for v in values), f"{node_id}.{name} lacks {file}: {values}"
+    if node_id in harness.SAMPLERS:
+        seed = _options(specs["seed"])
+        assert seed.get("min") == 0 and seed.get("control_after_generate"), \
+            "the UI workflows save the seed's control_after_generate value: it must stay on"
+        for side in ("width", "height"):
+            assert _options(specs[side]).get("min") == 0, "0 = follow the last reference"
+
+
+# -- (4) our stand-in API against the real one -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def standin_schemas(comfyui_server):
+    """Our nodes' schemas as the tests see them without ComfyUI, with the server's models folder listed."""
+    harness.load_pack()
+    from qi21.nodes import NODES, bridge
+
+    if bridge.HAVE_COMFY:
+        pytest.skip("ComfyUI is importable in the test interpreter: the stand-in API is not in use here")
+    bridge.set_models_root(comfyui_server.base / "models")
+    try:
+        return {schema.node_id: schema for schema in (node.define_schema() for node in NODES)}
+    finally:
+        bridge.set_models_root(None)
+
+
+@pytest.mark.parametrize("node_id", NODE_IDS)
+def test_standin_schema_equals_the_real_api(object_info, standin_schemas, node_id):
+    schema, info = standin_schemas[node_id], object_info[node_id]
+    real = {name: (section, spec) for section in ("required", "optional") for name, spec in _inputs(info, section)}
+    assert [i.id for i in schema.inputs if not i.optional] == [n for n, _ in _inputs(info, "required")]
+    assert [i.id for i in schema.inputs if i.optional] == [n for n, _ in _inputs(info, "optional")]
+    problems = []
+    for socket in schema.inputs:
+        section, spec = real[socket.id]
+        options = _options(spec)
+        if _io_type(spec) != socket.io_type:
+            problems.append(f"{socket.id}: io type {socket.io_type} here, {_io_type(spec)} in ComfyUI")
+        if section != ("optional" if socket.optional else "required"):
+            problems.append(f"{socket.id}: optional={socket.optional} here, {section} in ComfyUI")
+        if options.get("default") != socket.default:
+            problems.append(f"{socket.id}: default {socket.default!r} here, {options.get('default')!r} in ComfyUI")
+        if options.get("tooltip") != socket.tooltip:
+            problems.append(f"{socket.id}: tooltip differs")
+        for key, value in socket.options.items():
+            actual = _combo_values(spec) if key == "options" else options.get(key)
+            if actual != value:
+                problems.append(f"{socket.id}: {key} = {value!r} here, {actual!r} in ComfyUI")
+    assert not problems, f"{node_id}: the stand-in differs from ComfyUI's V3 API:\n" + "\n".join(problems)
+    assert [o.io_type for o in schema.outputs] == info["output"]
+    assert [o.display_name for o in schema.outputs] == info["output_name"]
+    assert (schema.display_name, schema.category, schema.description, schema.is_output_node) == \
+        (info["display_name"], info["category"], info["description"], info["output_node"])
+
+
+# -- (2) every API workflow runs --------------------------------------------------------------------------------
+def _source(prompt: dict, value):
+    """(node id, output slot) a linked input reads."""
+    return (str(value[0]), int(value[1])) if isinstance(value, list) and len(value) == 2 else (None, None)
+
+
+def _upstream_sampler(prompt: dict, save_id: str):
+    """(sampler id, decode output slot) behind a SaveImage, when it is QI21VAEDecode <- a QI21 sampler."""
+    decode_id, slot = _source(prompt, prompt[save_id]["inputs"].get("images"))
+    if decode_id is None or prompt[decode_id]["class_type"] != "QI21VAEDecode":
+        return None, None
+    sampler_id, _ = _source(prompt, prompt[decode_id]["inputs"].get("samples"))
+    if sampler_id is None or prompt[sampler_id]["class_type"] not in harness.SAMPLERS:
+        return None, slot
+    return sampler_id, slot
+
+
+def _failure(server, entry) -> str:
+    for kind, message in entry["status"].get("messages", []):
+        if kind == "execution_error":
+            return (f"node {message.get('node_id')} ({message.get('node_type')}) raised "
+                    f"{message.get('exception_type')}: {message.get('exception_message')}"
+                    + "".join(message.get("traceback") or []))
+    return f"status {entry['status']}\n{server.log_tail()}"
+
+
+def check_report(report: dict, sampler: dict) -> None:
+    inputs = sampler["inputs"]
+    assert REPORT_KEYS <= set(report), f"qi21_report lacks {REPORT_KEYS - set(report)}: {report}"
+    assert set(report) <= REPORT_KEYS | {"notes"}, f"unexpected qi21_report keys: {set(report) - REPORT_KEYS}"
+    assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
+    assert isinstance(report["prefix_tokens"], int) and report["prefix_tokens"] > 0
+    assert isinstance(report["target_tokens"], int) and report["target_tokens"] > 0
+    assert report["batch"] == inputs.get("batch_size", 1)
+    expected_steps = TURBO_STEPS if sampler["class_type"] == "QI21TurboSampler" else inputs["steps"]
+    assert report["steps"] == expected_steps
+    cache_on = inputs.get("prefix_cache", "on") == "on"
+    assert report["cache"] in (("miss", "hit") if cache_on else ("off",)), report
+    assert isinstance(report["cache_bytes"], int) and (report["cache_bytes"] > 0) == cache_on
+    assert isinstance(report["cache_device"], str) and report["cache_device"]
+    for key in ("prefill_seconds", "step_seconds"):
+        if key == "prefill_seconds" and report["cache"] == "hit":
+            assert report[key] is None or report[key] >= 0, report  # a hit has no prefill (reported as null)
+            continue
+        assert isinstance(report[key], (int, float)) and report[key] >= 0, report
+
+
+@pytest.mark.parametrize("path", API_FILES or [None], ids=[p.stem for p in API_FILES] or ["none"])
+def test_api_workflow_runs_to_completion(comfyui_server, path):
+    if path is None:
+        pytest.skip("workflows/api/ holds no workflow yet")
+    from PIL import Image
+
+    prompt, _ = harness.shrink_prompt(json.loads(path.read_text()))
+    entry = comfyui_server.run_prompt(prompt)
+    assert entry["status"]["status_str"] == "success", _failure(comfyui_server, entry)
+    outputs = entry["outputs"]
+
+    samplers = [node_id for node_id, node in prompt.items() if node["class_type"] in harness.SAMPLERS]
+    assert samplers, f"{path.name} has no Qwen-Image 2.1 sampler"
+    for node_id in samplers:
+        reports = outputs.get(node_id, {}).get("qi21_report")
+        assert isinstance(reports, list) and len(reports) == 1, f"sampler {node_id}: no qi21_report in /history"
+        check_report(reports[0], prompt[node_id])
+
+    saves = [node_id for node_id, node in prompt.items() if node["class_type"] == "SaveImage"]
+    assert saves, f"{path.name} saves no image"
+    for node_id in saves:
+        images = outputs.get(node_id, {}).get("images") or []
+        sampler_id, slot = _upstream_sampler(prompt, node_id)
+        batch = prompt[sampler_id]["inputs"].get("batch_size", 1) if sampler_id else 1
+        assert len(images) == batch and all(i["type"] == "output" for i in images), images
+        for image in images:
+            assert (comfyui_server.base / "output" / image["subfolder"] / image["filename"]).is_file()
+            png = Image.open(_io.BytesIO(comfyui_server.view(image)))
+            assert png.format == "PNG"
+            assert png.mode == ("RGBA" if slot == 2 else "RGB"), f"{image['filename']}: {png.mode} (decode output {slot})"
+            if sampler_id:
+                sampler = prompt[sampler_id]["inputs"]
+                if sampler.get("width") and sampler.get("height"):
+                    assert png.size == (sampler["width"], sampler["height"])
+                report = outputs[sampler_id]["qi21_report"][0]
+                assert report["target_tokens"] == (png.size[0] // 16) * (png.size[1] // 16)
+
+
+def _turbo_prompt():
+    candidates = [p for p in API_FILES if p.stem == "text_to_image_turbo"] + API_FILES
+    for path in candidates:
+        prompt, _ = harness.shrink_prompt(json.loads(path.read_text()))
+        if any(n["class_type"] in harness.SAMPLERS for n in prompt.values()):
+            return prompt
+    pytest.skip("no API workflow with a Qwen-Image 2.1 sampler yet")
+
+
+def _cache_state(server, prompt, seed) -> tuple[str, bool]:
+    """(the sampler's cache state, whether the model loader's output came from ComfyUI's cache)."""
+    for node in prompt.values():
+        if node["class_type"] in harness.SAMPLERS:
+            node["inputs"].update(seed=seed, keep_cache=True, prefix_cache="on")
+    entry = server.run_prompt(prompt)
+    assert entry["status"]["status_str"] == "success", _failure(server, entry)
+    (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] in harness.SAMPLERS]
+    report = entry["outputs"][sampler_id]["qi21_report"][0]
+    check_report(report, prompt[sampler_id])
+    cached = {str(i) for kind, message in entry["status"]["messages"] if kind == "execution_cached"
+              for i in message.get("nodes", [])}
+    loader = _source(prompt, prompt[sampler_id]["inputs"]["model"])[0]
+    return report["cache"], loader in cached
+
+
+def test_keep_cache_is_reused_across_prompts_and_released_by_free(comfyui_server):
+    prompt = _turbo_prompt()
+    comfyui_server.free(unload_models=True, free_memory=True)  # whatever earlier tests left
+    assert _cache_state(comfyui_server, prompt, seed=101)[0] == "miss"
+    assert _cache_state(comfyui_server, prompt, seed=102) == ("hit", True), "same model and prompt, another seed"
+    comfyui_server.free(unload_models=True, free_memory=True)  # the "Free model and node cache" button
+    state, loader_cached = _cache_state(comfyui_server, prompt, seed=103)
+    assert not loader_cached, "ComfyUI had not applied /free before the next prompt (see ComfyServer.free)"
+    assert state == "miss", "after /free the sampler must not find the prefix cache of the released model"
+
+
+def test_unload_models_releases_kept_caches(comfyui_server):
+    """ComfyUI's "Unload Models" (/free with unload_models only) keeps node outputs (the loaded model objects)
+    but unloads every model its model management knows; a kept prefix cache belongs to a loaded model."""
+    prompt = _turbo_prompt()
+    comfyui_server.free(unload_models=True, free_memory=True)
+    assert _cache_state(comfyui_server, prompt, seed=201)[0] == "miss"
+    comfyui_server.free(unload_models=True)
+    state, loader_cached = _cache_state(comfyui_server, prompt, seed=202)
+    comfyui_server.free(unload_models=True, free_memory=True)
+    assert loader_cached, "unload_models alone keeps ComfyUI's node outputs"
+    if state != "miss":
+        pytest.xfail("known gap: the pack's models and kept prefix caches are not registered with ComfyUI's model "
+                     "management, so 'Unload Models' (unload_models without free_memory) does not release them")
+
+
+# -- (3) the log (last: it reads what every test above left) -------------------------------------------------
+def test_the_server_log_has_no_traceback_from_the_pack(comfyui_server):
+    log = comfyui_server.log_text()
+    markers = comfyui_server.pack_markers()
+    ours = [block for block in harness.tracebacks(log) if any(m in block for m in markers)]
+    assert not ours, (f"{len(ours)} traceback(s) from the pack in {comfyui_server.log_path}; the first:\n{ours[0]}\n"
+                      "and the last line of each:\n" + "\n".join(block.splitlines()[-1] for block in ours))
+    errors = [line for line in log.splitlines() if "qi21" in line.lower() and "[ERROR]" in line]
+    assert not errors, "\n".join(errors)
