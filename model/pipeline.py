@@ -27,12 +27,21 @@ class Reference:
 
 
 @torch.no_grad()
-def encode_reference(vae: QwenImage21VAE, image, mask=None, resolution: int = 1024, tiled: bool | None = None) -> Reference:
-    """Resize `image` (ComfyUI IMAGE, 3 or 4 channels; `mask` 1 = transparent) once and VAE-encode all 4 channels."""
-    prepared = prepare_reference(image, mask, resolution)
+def encode_prepared(vae: QwenImage21VAE, prepared: PreparedReference, tiled: bool | None = None) -> Reference:
+    """VAE-encode all 4 channels of a reference already resized by `prepare_reference`."""
     raw = vae.encode(prepared.pixels, tiled=tiled)  # (1, 64, h, w)
+    if not bool(torch.isfinite(raw).all()):
+        raise FloatingPointError(
+            f"The VAE encoded the {prepared.width}x{prepared.height} reference to NaN/inf latents (it runs in "
+            f"{next(vae.parameters()).dtype}); load the VAE with weight_dtype bf16 or fp32."
+        )
     latents = vae.normalize(raw.float())[0]
     return Reference(prepared, latents.flatten(1).T.contiguous().cpu(), tuple(latents.shape[1:]))
+
+
+def encode_reference(vae: QwenImage21VAE, image, mask=None, resolution: int = 1024, tiled: bool | None = None) -> Reference:
+    """Resize `image` (ComfyUI IMAGE, 3 or 4 channels; `mask` 1 = transparent) once and VAE-encode all 4 channels."""
+    return encode_prepared(vae, prepare_reference(image, mask, resolution), tiled)
 
 
 def check_room_for_reference(previous) -> None:
@@ -53,6 +62,12 @@ def encode_prompt(text_encoder: QwenImageTextEncoder, prompt: str, references=()
     """Encode `prompt` with its references (`<image1>`.. in chain order) into the sampler's Conditioning."""
     references = tuple(references or ())
     encoded = text_encoder.encode(prompt, [r.prepared for r in references])
+    if not bool(torch.isfinite(encoded.embeds).all()):
+        # caught here, it names the culprit; caught by the sampler, it would read as a DiT failure at step 1
+        raise FloatingPointError(
+            f"The text encoder returned NaN/inf states for the prompt {prompt[:60]!r} (it runs in "
+            f"{text_encoder.dtype}); load it with weight_dtype bf16 or fp32."
+        )
     tokens = torch.cat([r.tokens for r in references]) if references else None
     return Conditioning(
         text=encoded.embeds.detach().float().cpu(),

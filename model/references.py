@@ -139,11 +139,14 @@ def _rgba_source(image, mask) -> Image.Image:
         array = torch.as_tensor(image).detach().to("cpu", torch.float32)
         if array.ndim == 4:
             array = array[0]  # a batch: the first image is the reference (ComfyUI passes one image per reference)
-        if array.ndim != 3 or array.shape[-1] not in (3, 4):
+        if array.ndim != 3 or array.shape[-1] not in (1, 3, 4):
             raise ValueError(
-                f"Reference image must be [H, W, C] or [B, H, W, C] with C = 3 or 4 (ComfyUI IMAGE), got "
-                f"{list(torch.as_tensor(image).shape)}."
+                f"Reference image must be [H, W, C] or [B, H, W, C] with C = 3 or 4 (ComfyUI IMAGE; C = 1 is read as "
+                f"grey), got {list(torch.as_tensor(image).shape)}."
             )
+        if array.shape[-1] == 1:
+            # one channel is unambiguous grey: the same three equal channels LoadImage makes of a grey PNG
+            array = array.expand(-1, -1, 3)
         if array.shape[0] == 0 or array.shape[1] == 0:
             raise ValueError(f"Reference image is empty ({array.shape[1]}x{array.shape[0]} pixels).")
         if not torch.isfinite(array).all():
@@ -180,8 +183,9 @@ def prepare_reference(image, mask=None, resolution: int = 1024) -> PreparedRefer
     """The reference resized once, as VAE pixels and as the VLM's RGB image.
 
     Args:
-        image: ComfyUI IMAGE, `[H, W, C]` or `[B, H, W, C]` float in [0, 1], C = 3 (RGB) or 4 (RGBA). With
-            B > 1 only the first image is used. A PIL image is accepted too (converted to RGBA).
+        image: ComfyUI IMAGE, `[H, W, C]` or `[B, H, W, C]` float in [0, 1], C = 3 (RGB) or 4 (RGBA); C = 1 is
+            read as grey (three equal channels). With B > 1 only the first image is used. A PIL image is
+            accepted too (converted to RGBA).
         mask: optional ComfyUI MASK, `[H, W]` or `[B, H, W]` (first used), 1 = transparent; alpha = 1 - mask. It
             replaces the image's own alpha when both are given. A constant mask of another size (LoadImage's
             64x64 placeholder) is broadcast; any other size mismatch is refused.

@@ -88,9 +88,9 @@ def comfy_tokenizer_dir() -> Path | None:
     """ComfyUI's bundled Qwen tokenizer (used when a single-file text encoder has none beside it)."""
     if not HAVE_COMFY:
         return None
-    import comfy
-
-    folder = Path(comfy.__file__).parent / "text_encoders" / "qwen25_tokenizer"
+    # `comfy` is a namespace package in current ComfyUI (no __init__.py, so no __file__): locate it through
+    # a plain module inside it.
+    folder = Path(_comfy_utils.__file__).resolve().parent / "text_encoders" / "qwen25_tokenizer"
     return folder if folder.is_dir() else None
 
 
@@ -138,6 +138,48 @@ def on_device(module: torch.nn.Module, device: torch.device | None = None, offlo
             empty_cache()
 
 
+_warned_unmanaged = False
+
+
+def load_managed(model: torch.nn.Module, on_unload=None) -> torch.device:
+    """Put the DiT on the compute device the way ComfyUI loads its own models, so ComfyUI can evict it when
+    another model needs the room and on "Unload Models"; `on_unload(model)` runs when it is evicted (the
+    kept prefix caches go with it). Without ComfyUI, or if ComfyUI's model patcher refuses the module,
+    the model is simply moved (loudly, once)."""
+    global _warned_unmanaged
+    if HAVE_COMFY:
+        try:
+            patcher = getattr(model, "_qi21_patcher", None)
+            if patcher is None:
+                import comfy.model_patcher
+                from comfy.patcher_extension import CallbacksMP
+
+                patcher = comfy.model_patcher.ModelPatcher(model, load_device=compute_device(),
+                                                           offload_device=offload_device(), size=module_bytes(model))
+                if on_unload is not None:
+                    def unloaded(patcher, unpatch_all=True):
+                        # ComfyUI also detaches (unpatch_all=False) to re-attach a model that stays loaded
+                        if unpatch_all:
+                            log.info("qi21: ComfyUI unloaded the DiT; its kept prefix caches go with it")
+                            on_unload(model)
+
+                    patcher.add_callback(CallbacksMP.ON_DETACH, unloaded)
+                model._qi21_patcher = patcher
+            # full load: our layers are plain PyTorch, they cannot stream weights like ComfyUI's own ops
+            _mm.load_models_gpu([patcher], force_full_load=True)
+            return patcher.load_device
+        except Exception as error:  # an API change must not stop sampling: fall back, and say so
+            if not _warned_unmanaged:
+                log.warning("qi21: ComfyUI's model manager refused the DiT (%s); moving it by hand, so ComfyUI will "
+                            "not evict it automatically.", error)
+                _warned_unmanaged = True
+    device = compute_device()
+    if device.type != "cpu":
+        free_memory(module_bytes(model), device)
+    model.to(device)
+    return device
+
+
 # -- progress, interrupt, previews --------------------------------------------------------------------------
 _interrupt = threading.Event()
 
@@ -153,6 +195,17 @@ def throw_if_interrupted() -> None:
     elif _interrupt.is_set():
         _interrupt.clear()
         raise InterruptedError("sampling was interrupted")
+
+
+def previews_enabled() -> bool:
+    """False when ComfyUI's preview method is "none" (then no preview is computed at all)."""
+    if not HAVE_COMFY:
+        return True
+    try:
+        from comfy.cli_args import LatentPreviewMethod, args
+    except ImportError:
+        return True
+    return args.preview_method != LatentPreviewMethod.NoPreviews
 
 
 class Progress:

@@ -2,7 +2,8 @@
 
 import torch
 
-from ..model.pipeline import MAX_REFERENCES, chain_references, check_room_for_reference, encode_prompt, encode_reference
+from ..model.pipeline import MAX_REFERENCES, chain_references, check_room_for_reference, encode_prepared, encode_prompt
+from ..model.references import prepare_reference
 from . import bridge
 from .bridge import io
 from .types import CATEGORY, VAE, Conditioning, References, TextEncoder
@@ -21,7 +22,8 @@ class QI21Reference(io.ComfyNode):
                         "prompts. Chain several of these; the prompt can name them as <image1>, <image2>, ...",
             inputs=[
                 VAE.Input("vae"),
-                io.Image.Input("image", tooltip="RGB or RGBA. With a batch, only the first image is used."),
+                io.Image.Input("image", tooltip="RGB or RGBA (a 1-channel image is read as grey). With a batch, only "
+                                                "the first image is used (a warning is logged)."),
                 io.Int.Input("resolution", default=1024, min=0, max=4096, step=32,
                              tooltip="Resize to about resolution x resolution pixels, aspect kept, sides x32 (the "
                                      "reference pipeline's default, 1024). 0 keeps the image's own size floored to "
@@ -41,8 +43,13 @@ class QI21Reference(io.ComfyNode):
         check_room_for_reference(references)  # before any work
         if image is None or image.numel() == 0 or min(image.shape[-3:-1]) == 0:
             raise ValueError(f"the image given to Qwen-Image 2.1 Reference is empty (shape {tuple(image.shape)}).")
+        if image.ndim == 4 and image.shape[0] > 1:
+            bridge.log.warning("qi21 Reference: a batch of %d images was given; only the first is used (chain one "
+                               "Reference node per image).", image.shape[0])
+        # resize and size checks first: a refused image must not make ComfyUI unload models to move the VAE
+        prepared = prepare_reference(image, mask, resolution)
         with bridge.on_device(vae):
-            reference = encode_reference(vae, image, mask, resolution)
+            reference = encode_prepared(vae, prepared)
         return io.NodeOutput(chain_references(references, reference))
 
 

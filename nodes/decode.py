@@ -1,5 +1,7 @@
 """VAE decode into RGB, the alpha as a MASK, and RGBA."""
 
+import torch
+
 from ..model.pipeline import decode_images
 from . import bridge
 from .bridge import io
@@ -36,6 +38,9 @@ class QI21VAEDecode(io.ComfyNode):
         if latents.ndim != 4 or latents.shape[1] != vae.config.z_dim:
             raise ValueError(f"QI21VAEDecode needs Qwen-Image 2.1 latents (B, {vae.config.z_dim}, h, w); got "
                              f"{tuple(latents.shape)}. Connect a Qwen-Image 2.1 sampler's LATENT.")
+        if not bool(torch.isfinite(latents).all()):  # would decode to a black image without a word
+            raise ValueError("QI21VAEDecode: the latents hold NaN/inf values; the node that made them failed (with "
+                             "fp16 weights, try bf16 or fp32).")
         with bridge.on_device(vae):
             rgb, mask, rgba = decode_images(vae, latents, tiled=TILED[tiled])
         return io.NodeOutput(rgb, mask, rgba)

@@ -4,6 +4,7 @@ Models load to the offload device (CPU RAM); the nodes that use them move them t
 """
 
 import gc
+import traceback
 
 import torch
 
@@ -13,19 +14,23 @@ from ..model.vae_loading import load_vae
 from . import bridge
 from .bridge import io
 from .types import CATEGORY, VAE, Model, TextEncoder
+from .validation import widget_problem
 
 
-def _unknown_file(kind: str, name: str) -> str | bool:
+def _unknown_file(node, kind: str, name: str, **widgets) -> str | bool:
     if name not in bridge.model_choices(kind):
         return f"{name!r} is not in the {kind} folders; pick a listed file or refresh (R) after copying it there."
-    return True
+    return widget_problem(node, **widgets)
 
 
 def _load(loader, *args, **kwargs):
     """Run a loader; on any failure nothing it allocated stays referenced (the error names the file)."""
     try:
         return loader(*args, **kwargs)
-    except BaseException:
+    except BaseException as error:
+        # The traceback's finished frames still hold what the loader had built (a half-filled model); ComfyUI
+        # keeps the exception while it reports it, so drop their locals now. File names and lines stay.
+        traceback.clear_frames(error.__traceback__)
         gc.collect()
         raise
 
@@ -58,7 +63,7 @@ class QI21ModelLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name, **kwargs):
-        return _unknown_file("diffusion_models", model_name)
+        return _unknown_file(cls, "diffusion_models", model_name, **kwargs)
 
     @classmethod
     def execute(cls, model_name, weight_dtype, attention="auto") -> io.NodeOutput:
@@ -96,7 +101,7 @@ class QI21TextEncoderLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, text_encoder_name, **kwargs):
-        return _unknown_file("text_encoders", text_encoder_name)
+        return _unknown_file(cls, "text_encoders", text_encoder_name, **kwargs)
 
     @classmethod
     def execute(cls, text_encoder_name, weight_dtype, device="default") -> io.NodeOutput:
@@ -130,7 +135,7 @@ class QI21VAELoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, vae_name, **kwargs):
-        return _unknown_file("vae", vae_name)
+        return _unknown_file(cls, "vae", vae_name, **kwargs)
 
     @classmethod
     def execute(cls, vae_name, weight_dtype) -> io.NodeOutput:

@@ -2,6 +2,7 @@
 
 import json
 
+from ..model.cache_store import DEFAULT_STORE
 from ..model.latent_format import preview_image, to_raw
 from ..model.pipeline import target_size
 from ..model.sampling import initial_noise, sample
@@ -9,6 +10,7 @@ from ..model.schedule import base_sigmas, sampling_size, turbo_sigmas
 from . import bridge
 from .bridge import io
 from .types import CATEGORY, Conditioning, Model
+from .validation import widget_problem
 
 MIN_SIZE, MAX_SIZE = 256, 4096
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
@@ -40,11 +42,19 @@ def _cache_inputs():
     ]
 
 
-def _check_size(width, height) -> str | bool:
+def _check_size(node, width, height, **widgets) -> str | bool:
     for name, value in (("width", width), ("height", height)):
         if value and not MIN_SIZE <= value <= MAX_SIZE:
             return f"{name} = {value}: use 0 (follow the reference / 1024) or a size from {MIN_SIZE} to {MAX_SIZE}."
-    return True
+    return widget_problem(node, **widgets)
+
+
+def _require(verdict: str | bool) -> None:
+    """Raise `validate_inputs`' message. ComfyUI validates only the values it knows before the run: a size or a
+    step count that arrives through a link (or from a script calling `execute`) reaches `execute` unchecked, so
+    it checks again there, before the model moves or any noise is drawn."""
+    if verdict is not True:
+        raise ValueError(verdict)
 
 
 def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigmas_for, negative=None, cfg=1.0,
@@ -65,15 +75,16 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
 
     sigmas = sigmas_for(width, height)
     progress = bridge.Progress(len(sigmas) - 1)
+    show_previews = bridge.previews_enabled()
 
     def on_step(info):
         bridge.throw_if_interrupted()
-        progress.update(info.step + 1, preview_image(info.denoised))
+        progress.update(info.step + 1, preview_image(info.denoised) if show_previews else None)
 
     noise = initial_noise(seed, batch_size, height, width)
-    with bridge.on_device(model):
-        result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise, negative=negative,
-                        cfg=cfg, prefix_cache=prefix_cache == "on", keep_cache=keep_cache, callback=on_step)
+    bridge.load_managed(model, on_unload=lambda m: DEFAULT_STORE.evict_model(id(m)))
+    result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise, negative=negative,
+                    cfg=cfg, prefix_cache=prefix_cache == "on", keep_cache=keep_cache, callback=on_step)
     report = dict(result.report)
     if notes:
         report["notes"] = notes + report.get("notes", [])
@@ -116,13 +127,15 @@ class QI21Sampler(io.ComfyNode):
     def validate_inputs(cls, width=0, height=0, steps=40, cfg=1.0, **kwargs):
         if steps < 1:
             return f"steps = {steps}: at least 1 step is needed (40 is the official setting)."
-        if cfg < 1.0:
+        if not cfg >= 1.0:  # also refuses NaN
             return f"cfg = {cfg}: true CFG scales below 1 are not meaningful; use 1 (off) or more."
-        return _check_size(width, height)
+        return _check_size(cls, width, height, steps=steps, cfg=cfg, **kwargs)
 
     @classmethod
     def execute(cls, model, positive, seed, steps, cfg, width, height, batch_size, negative=None, prefix_cache="on",
                 keep_cache=False) -> io.NodeOutput:
+        _require(cls.validate_inputs(width=width, height=height, steps=steps, cfg=cfg, batch_size=batch_size, seed=seed,
+                                     prefix_cache=prefix_cache))
         return run(model, positive, sampler="base", seed=seed, width=width, height=height, batch_size=batch_size,
                    sigmas_for=lambda w, h: base_sigmas(steps, w, h), negative=negative, cfg=cfg,
                    prefix_cache=prefix_cache, keep_cache=keep_cache)
@@ -152,9 +165,11 @@ class QI21TurboSampler(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, width=0, height=0, **kwargs):
-        return _check_size(width, height)
+        return _check_size(cls, width, height, **kwargs)
 
     @classmethod
     def execute(cls, model, positive, seed, width, height, batch_size, prefix_cache="on", keep_cache=False) -> io.NodeOutput:
+        _require(cls.validate_inputs(width=width, height=height, batch_size=batch_size, seed=seed,
+                                     prefix_cache=prefix_cache))
         return run(model, positive, sampler="turbo", seed=seed, width=width, height=height, batch_size=batch_size,
                    sigmas_for=lambda w, h: turbo_sigmas(), prefix_cache=prefix_cache, keep_cache=keep_cache)

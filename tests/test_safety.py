@@ -11,26 +11,69 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = [ROOT / "__init__.py", *sorted((ROOT / "model").rglob("*.py")), *sorted((ROOT / "nodes").rglob("*.py"))]
 
 FORBIDDEN_MODULES = {"subprocess", "socket", "urllib", "http", "requests", "httpx", "aiohttp", "pickle", "dill",
-                     "shelve", "marshal", "ftplib", "smtplib"}
+                     "shelve", "marshal", "ftplib", "smtplib",
+                     # what gets around the checks below: dynamic imports, native calls, other process launchers,
+                     # other unpicklers, and Hub/HTTP clients
+                     "importlib", "ctypes", "multiprocessing", "pty", "cloudpickle", "joblib", "huggingface_hub",
+                     "urllib3", "websocket", "websockets"}
 FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__", "getenv", "putenv", "system", "popen", "load",
                    "urlopen"}
-FORBIDDEN_ATTRIBUTES = {("os", "environ"), ("os", "getenv"), ("os", "system"), ("os", "popen"), ("torch", "load"),
-                        ("os", "environb")}
+# Dotted names after import aliases are resolved (`import torch as t; t.load` is `torch.load`, `from os import
+# environ` is `os.environ`); entries ending in "*" are prefixes (os.execv, os.spawnl, os.forkpty, ...).
+FORBIDDEN_NAMES = {"os.environ", "os.environb", "os.getenv", "os.putenv", "os.system", "os.popen", "os.exec*",
+                   "os.spawn*", "os.posix_spawn*", "os.fork*", "os.startfile", "torch.load", "torch.serialization.load",
+                   "numpy.load"}
+
+
+def _aliases(tree) -> dict[str, str]:
+    """Local name -> the module or object it stands for, from the file's absolute imports."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]  # `import a.b` binds `a`
+                names[alias.asname or top] = alias.name if alias.asname else top
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _dotted(node, aliases) -> str | None:
+    """`a.b.c` with `a` resolved through the imports, or None for anything but a name or an attribute chain."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([aliases.get(node.id, node.id), *reversed(parts)])
+
+
+def _forbidden_name(name: str | None) -> bool:
+    return name is not None and any(name == f or (f.endswith("*") and name.startswith(f[:-1])) for f in FORBIDDEN_NAMES)
 
 
 def _violations(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
+    aliases = _aliases(tree)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [f"import {a.name}" for a in node.names if a.name.split(".")[0] in FORBIDDEN_MODULES]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in FORBIDDEN_MODULES:
             found.append(f"from {node.module} import ...")
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            if (node.value.id, node.attr) in FORBIDDEN_ATTRIBUTES:
-                found.append(f"{node.value.id}.{node.attr}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:
+        elif isinstance(node, (ast.Attribute, ast.Name)) and isinstance(node.ctx, ast.Load):
+            name = _dotted(node, aliases)
+            if _forbidden_name(name) and not (isinstance(node, ast.Name) and name == node.id):
+                found.append(name)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:
             found.append(f"{node.func.id}(...)")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained":
+            # transformers downloads from the Hugging Face Hub unless told not to
+            local = [k for k in node.keywords if k.arg == "local_files_only"]
+            if not (local and isinstance(local[0].value, ast.Constant) and local[0].value.value is True):
+                found.append("from_pretrained(...) without local_files_only=True")
     return [f"{path.relative_to(ROOT)}:{v}" for v in found]
 
 
@@ -51,6 +94,14 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
     globals()["ROOT"] = tmp_path
     try:
         assert len(_violations(bad)) == 5
+        sneaky = tmp_path / "sneaky.py"
+        sneaky.write_text("import torch as t\nimport torch\nimport os\nfrom os import environ, execv\n"
+                          "import importlib\nt.load('f')\ntorch.serialization.load('f')\nexecv('a', [])\nos.spawnl(0, 'a')\n"
+                          "x = environ\nTokenizer.from_pretrained('Qwen/Qwen3-VL-8B-Instruct')\n"
+                          "Tokenizer.from_pretrained('folder', local_files_only=True)\nimport ctypes\n")
+        assert sorted(v.split(":", 1)[1] for v in _violations(sneaky)) == sorted([
+            "import importlib", "import ctypes", "torch.load", "torch.serialization.load", "os.execv", "os.spawnl",
+            "os.environ", "from_pretrained(...) without local_files_only=True"])
     finally:
         globals()["ROOT"] = original
 

@@ -1,0 +1,37 @@
+"""ComfyUI's own widget checks (min, max, combo options), put back for the nodes that have `validate_inputs`.
+
+ComfyUI checks every widget value against its schema before a prompt runs, except on a node whose
+`validate_inputs` takes `**kwargs`: it then leaves every input to that function (execution.py, `validate_inputs`:
+`if x not in validate_function_inputs and not validate_has_kwargs:` guards the min/max/combo checks). Our loaders
+and samplers take `**kwargs`, so they call `widget_problem` first; values sent through the API (or by a script
+calling `execute`) then meet the same limits as values typed into the UI.
+"""
+
+
+def _option(spec, key: str):
+    """A widget option from ComfyUI's V3 input (attributes; a Combo's `options` is its list) or from our stand-in
+    (everything beyond id/default/optional sits in its `options` dict)."""
+    options = getattr(spec, "options", None)
+    if isinstance(options, dict):
+        return options.get(key)
+    return options if key == "options" else getattr(spec, key, None)
+
+
+def widget_problem(node, **values) -> str | bool:
+    """True when every given value fits its input's schema; else a message naming the first input that does not.
+
+    `None` values are skipped: ComfyUI leaves linked inputs out at validation time, and our nodes default them.
+    """
+    for spec in node.define_schema().inputs:
+        value = values.get(spec.id)
+        if value is None:
+            continue
+        choices = _option(spec, "options")
+        if isinstance(choices, (list, tuple)) and value not in choices:
+            shown = ", ".join(map(str, choices)) if len(choices) <= 20 else f"the {len(choices)} listed files"
+            return f"{spec.id} = {value!r}: expected one of {shown}."
+        low, high = _option(spec, "min"), _option(spec, "max")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                (low is not None and not value >= low) or (high is not None and not value <= high)):
+            return f"{spec.id} = {value}: expected a value from {low} to {high}."
+    return True
