@@ -23,6 +23,12 @@ def _unknown_file(node, kind: str, name: str, **widgets) -> str | bool:
     return widget_problem(node, **widgets)
 
 
+def _default_dtype(weight_dtype: str, device: torch.device) -> str:
+    """"default" keeps the file's precision on GPUs; on a CPU it means fp32, as ComfyUI does there (bf16 matmuls
+    and convolutions run 10-20x slower than fp32 on CPUs without bf16 units)."""
+    return "fp32" if weight_dtype == "default" and device.type == "cpu" else weight_dtype
+
+
 def _load(loader, *args, **kwargs):
     """Run a loader; on any failure nothing it allocated stays referenced (the error names the file)."""
     try:
@@ -51,7 +57,7 @@ class QI21ModelLoader(io.ComfyNode):
                                tooltip="qwen_image_2.1_bf16.safetensors / qwen_image_2.1_turbo_bf16.safetensors in "
                                        "models/diffusion_models, or a diffusers Qwen-Image-2.1 folder in models/diffusers."),
                 io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
-                               tooltip="default keeps the file's bf16 (14.2 GB). fp8_e4m3fn stores the block weights in "
+                               tooltip="default keeps the file's bf16 (14.2 GB) on a GPU, fp32 on a CPU. fp8_e4m3fn stores the block weights in "
                                        "fp8 (about 7.5 GB) and computes in bf16, at a small quality cost. fp32 doubles "
                                        "memory and is for checking only."),
                 io.Combo.Input("attention", options=["auto", "sdpa", "flex"], default="auto", optional=True,
@@ -68,6 +74,7 @@ class QI21ModelLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model_name, weight_dtype, attention="auto") -> io.NodeOutput:
         path = bridge.model_path("diffusion_models", model_name)
+        weight_dtype = _default_dtype(weight_dtype, bridge.compute_device())
         model = _load(load_dit, path, weight_dtype=weight_dtype, device=bridge.offload_device(), attention=attention)
         bridge.log.info("qi21: loaded %s (%s layout, variant %s from %s)", path.name, model.source.layout,
                         model.source.variant, model.source.variant_from)
@@ -90,7 +97,7 @@ class QI21TextEncoderLoader(io.ComfyNode):
                                tooltip="qwen3vl_8b_bf16.safetensors in models/text_encoders, or a diffusers "
                                        "Qwen-Image-2.1 folder in models/diffusers."),
                 io.Combo.Input("weight_dtype", options=["default", "bf16", "fp16", "fp32"], default="default",
-                               tooltip="default keeps the file's bf16 (16.3 GB). fp32 doubles memory for no visible "
+                               tooltip="default keeps the file's bf16 (16.3 GB) on a GPU, fp32 on a CPU. fp32 doubles memory for no visible "
                                        "gain; fp16 is untested on the real weights."),
                 io.Combo.Input("device", options=["default", "cpu"], default="default", optional=True,
                                tooltip="default encodes on the GPU and offloads the encoder to RAM afterwards. cpu "
@@ -106,7 +113,8 @@ class QI21TextEncoderLoader(io.ComfyNode):
     @classmethod
     def execute(cls, text_encoder_name, weight_dtype, device="default") -> io.NodeOutput:
         path = bridge.model_path("text_encoders", text_encoder_name)
-        encoder = _load(load_text_encoder, path, dtype=weight_dtype, device=bridge.offload_device(),
+        runs_on = torch.device("cpu") if device == "cpu" else bridge.compute_device()
+        encoder = _load(load_text_encoder, path, dtype=_default_dtype(weight_dtype, runs_on), device=bridge.offload_device(),
                         fallback_tokenizer_dir=bridge.comfy_tokenizer_dir())
         encoder.preferred_device = torch.device("cpu") if device == "cpu" else None
         return io.NodeOutput(encoder)
@@ -127,8 +135,8 @@ class QI21VAELoader(io.ComfyNode):
                                tooltip="qwen_image_2.1_vae_bf16.safetensors in models/vae, or a diffusers "
                                        "Qwen-Image-2.1 folder in models/diffusers."),
                 io.Combo.Input("weight_dtype", options=["default", "bf16", "fp32"], default="default",
-                               tooltip="default keeps the file's precision (bf16 for an fp16 file: the decoder "
-                                       "overflows fp16). fp32 is exact but twice the memory and slower."),
+                               tooltip="default keeps the file's precision on a GPU (bf16 for an fp16 file: the decoder "
+                                       "overflows fp16), fp32 on a CPU. fp32 is exact but twice the memory and slower."),
             ],
             outputs=[VAE.Output(display_name="vae")],
         )
@@ -140,4 +148,5 @@ class QI21VAELoader(io.ComfyNode):
     @classmethod
     def execute(cls, vae_name, weight_dtype) -> io.NodeOutput:
         path = bridge.model_path("vae", vae_name)
+        weight_dtype = _default_dtype(weight_dtype, bridge.compute_device())
         return io.NodeOutput(_load(load_vae, path, weight_dtype=weight_dtype, device=bridge.offload_device()))
