@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pack import import_pack  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
+from pack_import import import_pack  # noqa: E402
 
 import_pack()
 from qi21.model.conditioning import Conditioning  # noqa: E402

@@ -98,13 +98,9 @@ def prefix_attention_flex(q, k, v, block_mask) -> torch.Tensor:
     return out.transpose(1, 2)[0]
 
 
+# torch's CPU flash kernel also returns the log-sum-exp, which the split-KV merge below needs:
+# `(out (B, H, Lq, D), logsumexp (B, H, Lq))` on `(B, H, L, D)` inputs.
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _attention_with_lse(q, k, v):
-    """`(out (B, H, Lq, D), logsumexp (B, H, Lq))` on `(B, rows, H, D)` inputs, from torch's CPU flash kernel."""
-    out, lse = _flash_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return out, lse
 
 
 def target_attention(q, k, v, prefix_k, prefix_v) -> torch.Tensor:
@@ -121,10 +117,11 @@ def target_attention(q, k, v, prefix_k, prefix_v) -> torch.Tensor:
         values = torch.cat([prefix_v.expand(samples, -1, -1, -1), v], dim=1)
         return _sdpa(q, keys, values)
     # (1, S*T, H, D) against the prefix: every sample reads the same keys
-    out_p, lse_p = _attention_with_lse(q.reshape(1, samples * length, heads, dim), prefix_k[None], prefix_v[None])
+    folded = q.reshape(1, samples * length, heads, dim).transpose(1, 2)
+    out_p, lse_p = _flash_with_lse(folded, prefix_k[None].transpose(1, 2), prefix_v[None].transpose(1, 2))
     out_p = out_p.view(heads, samples, length, dim).transpose(0, 1)  # (S, H, T, D)
     lse_p = lse_p.view(heads, samples, length).transpose(0, 1)  # (S, H, T)
-    out_t, lse_t = _attention_with_lse(q, k, v)  # (S, H, T, D), (S, H, T)
+    out_t, lse_t = _flash_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (S,H,T,D), (S,H,T)
     # softmax over both key sets = weighted mean of the partial results, weight sigmoid(lse_p - lse_t)
     merged = torch.lerp(out_t, out_p, torch.sigmoid(lse_p - lse_t)[..., None].to(out_t.dtype))
     return merged.transpose(1, 2)

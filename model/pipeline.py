@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .conditioning import Conditioning
-from .references import PreparedReference, prepare_reference
+from .references import PreparedReference
 from .text_encoder import QwenImageTextEncoder
 from .vae import QwenImage21VAE
 
@@ -37,11 +37,6 @@ def encode_prepared(vae: QwenImage21VAE, prepared: PreparedReference, tiled: boo
         )
     latents = vae.normalize(raw.float())[0]
     return Reference(prepared, latents.flatten(1).T.contiguous().cpu(), tuple(latents.shape[1:]))
-
-
-def encode_reference(vae: QwenImage21VAE, image, mask=None, resolution: int = 1024, tiled: bool | None = None) -> Reference:
-    """Resize `image` (ComfyUI IMAGE, 3 or 4 channels; `mask` 1 = transparent) once and VAE-encode all 4 channels."""
-    return encode_prepared(vae, prepare_reference(image, mask, resolution), tiled)
 
 
 def check_room_for_reference(previous) -> None:

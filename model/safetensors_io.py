@@ -72,7 +72,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
     tensors, data_end = {}, 0
     for name, entry in header.items():
         try:
-            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            dtype, shape, (_, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path.name}: malformed header entry for {name!r}; re-download the file.")
         tensors[name] = TensorInfo(dtype, shape, path)

@@ -190,10 +190,3 @@ def sample(
         report["notes"] = notes
     return SampleResult(_unpack(x, latent_shape), report)
 
-
-def prefix_cache_bytes(model: QwenImage21DiT, prefix_tokens: int, dtype: torch.dtype | None = None) -> int:
-    """Bytes a prefix of `prefix_tokens` tokens costs in the cache: `2 * layers * heads * head_dim * P * itemsize`."""
-    config = model.config
-    itemsize = torch.empty((), dtype=dtype or model.compute_dtype).element_size()
-    return 2 * config.num_layers * config.num_heads * config.head_dim * prefix_tokens * itemsize
-

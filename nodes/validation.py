@@ -8,7 +8,7 @@ calling `execute`) then meet the same limits as values typed into the UI.
 """
 
 
-def _option(spec, key: str):
+def widget_option(spec, key: str):
     """A widget option from ComfyUI's V3 input (attributes; a Combo's `options` is its list) or from our stand-in
     (everything beyond id/default/optional sits in its `options` dict)."""
     options = getattr(spec, "options", None)
@@ -26,11 +26,11 @@ def widget_problem(node, **values) -> str | bool:
         value = values.get(spec.id)
         if value is None:
             continue
-        choices = _option(spec, "options")
+        choices = widget_option(spec, "options")
         if isinstance(choices, (list, tuple)) and value not in choices:
             shown = ", ".join(map(str, choices)) if len(choices) <= 20 else f"the {len(choices)} listed files"
             return f"{spec.id} = {value!r}: expected one of {shown}."
-        low, high = _option(spec, "min"), _option(spec, "max")
+        low, high = widget_option(spec, "min"), widget_option(spec, "max")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and (
                 (low is not None and not value >= low) or (high is not None and not value <= high)):
             return f"{spec.id} = {value}: expected a value from {low} to {high}."

@@ -97,12 +97,10 @@ def api_workflows() -> list[Path]:
 
 def load_pack():
     """The repository as package `qi21` (tests/conftest.py normally did this already)."""
-    if PACKAGE not in sys.modules:
-        spec = importlib.util.spec_from_file_location(PACKAGE, REPO / "__init__.py", submodule_search_locations=[str(REPO)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[PACKAGE] = module
-        spec.loader.exec_module(module)
-    return sys.modules[PACKAGE]
+    sys.path.insert(0, str(REPO / "demo"))
+    from pack_import import import_pack
+
+    return import_pack(PACKAGE)
 
 
 def tiny_checkpoint_writer():

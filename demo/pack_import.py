@@ -1,13 +1,16 @@
-"""Import the pack as `qi21` from a script, whatever the repository folder is called (as tests/conftest.py)."""
+"""Register the repository as package `qi21`, whatever its folder is called (ComfyUI imports the pack by its
+folder name, e.g. `ComfyUI-QwenImage21`, which is not a valid module name). The one copy of this for the
+tests, the benchmarks, the demo and the ComfyUI test harness; it imports nothing from the pack itself."""
 
 import importlib.util
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "qi21"
 
 
-def import_pack(name: str = "qi21"):
+def import_pack(name: str = PACKAGE):
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
         module = importlib.util.module_from_spec(spec)
