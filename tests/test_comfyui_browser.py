@@ -2,11 +2,14 @@
 
 Uses the ComfyUI server of tests/test_comfyui_server.py (same settings, same fixture; see its docstring for the
 set-up). For each workflow in workflows/ (and example_workflows/): it loads into the app with no missing node,
-every node type is registered, the front-end extension (web/qi21.js) adds its "aspect preset" and "prefix cache"
-widgets to the samplers without touching what is saved (widgets_values) or queued (the API prompt equals
+every node type is registered, the front-end extension (web/qi21.js) adds its "aspect preset", "prefix cache" and
+"last run" widgets to the samplers without touching what is saved (widgets_values) or queued (the API prompt equals
 workflows/api/<same name>.json), the preset fills width/height, and a screenshot of the graph and of each sampler
-is saved; the same widgets in the Vue node renderer ("Modern node design"), the estimate read-only. Skipped when no ComfyUI is configured, when the `playwright` package is missing, or when no Chromium
-is installed (the test never downloads a browser).
+is saved; the same widgets in the Vue node renderer ("Modern node design"), the estimate read-only. A shipped
+workflow is queued from the page: the sampler shows its phase while it runs and its run report (the `qi21_report`
+of /history, formatted by web/qi21_report.js) on the node afterwards, never saved nor queued; a batch shows the
+last of its runs, a re-queue that ComfyUI serves from its cache says so. Skipped when no ComfyUI is configured,
+when the `playwright` package is missing, or when no Chromium is installed (the test never downloads a browser).
 
 Test settings besides the server's:
     QI21_CHROMIUM         the Chromium/Chrome executable (default: chromium, chromium-browser, google-chrome on PATH)
@@ -17,13 +20,11 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "comfyui"))
-import qi21_comfy_harness as harness  # noqa: E402  (tests/comfyui/ is not a package)
+import qi21_comfy_harness as harness  # tests/comfyui/ is on pytest's pythonpath (pyproject.toml)
 
 try:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -31,8 +32,8 @@ except ImportError:  # no playwright: the browser tests skip (see browser_page)
     PlaywrightTimeout = TimeoutError
 
 UI_FILES = harness.ui_workflows()
-PRESET_WIDGET, ESTIMATE_WIDGET = "qi21_aspect_preset", "qi21_prefix_estimate"
-PRESET_LABEL, ESTIMATE_LABEL = "aspect preset", "prefix cache"
+PRESET_WIDGET, ESTIMATE_WIDGET, REPORT_WIDGET = "qi21_aspect_preset", "qi21_prefix_estimate", "qi21_run_report"
+PRESET_LABEL, ESTIMATE_LABEL, REPORT_LABEL = "aspect preset", "prefix cache", "last run"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 VIEWPORT = {"width": 1920, "height": 1200}
@@ -206,13 +207,14 @@ def test_ui_workflow_loads_with_the_extension_widgets(browser_page, screenshot_d
     assert samplers or not any(n["type"] in harness.SAMPLERS for n in workflow["nodes"])
     for sampler in samplers:
         widgets = _by_name(sampler)
-        assert PRESET_WIDGET in widgets and ESTIMATE_WIDGET in widgets, \
+        assert PRESET_WIDGET in widgets and ESTIMATE_WIDGET in widgets and REPORT_WIDGET in widgets, \
             f"{path.name}: node {sampler['id']} lacks the extension's widgets: {list(widgets)}"
-        preset, estimate = widgets[PRESET_WIDGET], widgets[ESTIMATE_WIDGET]
-        assert (preset["label"], preset["type"], estimate["label"], estimate["type"]) == \
-            (PRESET_LABEL, "combo", ESTIMATE_LABEL, "text")
-        assert [w["name"] for w in sampler["widgets"]][-2:] == [PRESET_WIDGET, ESTIMATE_WIDGET], "appended last"
-        for widget in (preset, estimate):
+        preset, estimate, report = widgets[PRESET_WIDGET], widgets[ESTIMATE_WIDGET], widgets[REPORT_WIDGET]
+        assert (preset["label"], preset["type"], estimate["label"], estimate["type"], report["label"]) == \
+            (PRESET_LABEL, "combo", ESTIMATE_LABEL, "text", REPORT_LABEL)
+        assert [w["name"] for w in sampler["widgets"]][-3:] == [PRESET_WIDGET, ESTIMATE_WIDGET, REPORT_WIDGET], \
+            "appended last"
+        for widget in (preset, estimate, report):
             assert widget["serialize"] is False and widget["optionsSerialize"] is False, "front-end only"
         assert preset["value"] in preset["values"]
         width, height = widgets["width"]["value"], widgets["height"]["value"]
@@ -283,13 +285,167 @@ def _screenshots(page, dirs, stem: str, sampler_ids) -> None:
             shutil.copyfile(target, extra / name)
 
 
+#: Records, after each of ComfyUI's websocket events, what the sampler's report widget shows (the extension's own
+#: listeners were registered first, so they have already updated it). Uses the public scripts/api.js.
+RECORD_REPORT = """async (nodeId) => {
+  const { api } = await import("/scripts/api.js");
+  window.__qi21.seen = [];
+  window.__qi21.nodeId = nodeId;
+  if (window.__qi21.recording) return;
+  window.__qi21.recording = true;
+  const types = ["promptQueueing", "execution_start", "execution_cached", "executing", "progress", "executed",
+                 "execution_success", "execution_error", "execution_interrupted"];
+  for (const type of types) {
+    api.addEventListener(type, ({ detail }) => {
+      const current = (app.rootGraph ?? app.graph).getNodeById(Number(window.__qi21.nodeId));
+      const widget = current?.widgets?.find((w) => w.name === "qi21_run_report");
+      window.__qi21.seen.push({ type, detail: detail ?? null, shown: widget ? String(widget.value) : null });
+    });
+  }
+}"""
+
+#: What the report widget of a node shows on the page: its text, lines (class, colour), tooltip, box.
+REPORT_ON_PAGE = """(nodeId) => {
+  const node = (app.rootGraph ?? app.graph).getNodeById(Number(nodeId));
+  const widget = node.widgets.find((w) => w.name === "qi21_run_report");
+  const el = widget?.element;
+  if (!el) return null;
+  const box = el.getBoundingClientRect();
+  return {
+    value: String(widget.value), text: el.innerText, tooltip: el.title, connected: el.isConnected,
+    visible: box.width > 0 && box.height > 0 && getComputedStyle(el).visibility !== "hidden",
+    lines: [...el.children].map((c) => ({ kind: c.className, text: c.innerText, color: getComputedStyle(c).color })),
+  };
+}"""
+
+#: The summary web/qi21_report.js makes of the report /history holds for this prompt and node.
+HISTORY_SUMMARY = """async ([promptId, nodeId, pack]) => {
+  const { reportLine, reportView } = await import(`/extensions/${pack}/qi21_report.js`);
+  const history = await (await fetch(`/history/${promptId}`)).json();
+  const reports = history[promptId].outputs[nodeId].qi21_report;
+  const view = reportView(reports);
+  return { reports, view, line: reportLine(view) };
+}"""
+
+QUEUE = "async (count) => { await app.queuePrompt(0, count); }"
+
+#: Base sampler, shrunk to run in seconds on a CPU; cfg 2 without a negative prompt makes the sampler add a note.
+RUN_WIDGETS = {"steps": 4, "width": 256, "height": 256, "cfg": 2.0}
+
+
+def _wait_for_report(page, node_id: str, pattern: str, runs: int = 1,
+                     timeout_ms: int = harness.PROMPT_TIMEOUT_S * 1000) -> None:
+    """Wait until `runs` queued prompts have ended, then check that the node's report widget matches `pattern`."""
+    try:
+        page.wait_for_function(
+            """(runs) => window.__qi21.seen.filter((e) => ["execution_success", "execution_error",
+              "execution_interrupted"].includes(e.type)).length >= runs""", arg=runs, timeout=timeout_ms)
+    except PlaywrightTimeout:
+        seen = page.evaluate("() => window.__qi21.seen")
+        pytest.fail(f"{runs} prompt(s) did not end in time; events and what the node showed: {seen[-20:]}")
+    shown = page.evaluate(REPORT_ON_PAGE, node_id)
+    if not (shown and re.search(pattern, shown["value"])):
+        seen = page.evaluate("() => window.__qi21.seen")
+        pytest.fail(f"the sampler's report {shown and shown['value']!r} does not match {pattern!r}; events and what "
+                    f"it showed: {seen[-20:]}")
+
+
+def test_run_report_on_the_sampler_node(browser_page, screenshot_dirs):
+    """Queue workflows/text_to_image_base.json from the page: phases while it runs, the report after it."""
+    page, messages = browser_page
+    first_message = len(messages)
+    path = harness.REPO / "workflows" / "text_to_image_base.json"
+    workflow = json.loads(path.read_text())
+    setting = "Comfy.VueNodes.Enabled"
+    vue_before = page.evaluate(f"() => app.extensionManager.setting.get('{setting}')")
+    page.evaluate(f"async () => app.extensionManager.setting.set('{setting}', false)")  # the canvas renderer
+    try:
+        assert page.evaluate(LOAD, [workflow, f"run_{path.name}"]) == []
+        sampler_id = next(str(n["id"]) for n in workflow["nodes"] if n["type"] == "QI21Sampler")
+        before = page.evaluate(REPORT_ON_PAGE, sampler_id)
+        assert before and before["text"] == "no run yet: the run report shows here", before
+        for name, value in RUN_WIDGETS.items():
+            assert page.evaluate(SET_WIDGET, [sampler_id, name, value])[name] == value
+        page.evaluate(RECORD_REPORT, sampler_id)
+
+        page.evaluate(QUEUE, 1)
+        _wait_for_report(page, sampler_id, "prefix tokens")
+        seen = page.evaluate("() => window.__qi21.seen")
+        # Queueing cleared the node; while the sampler ran it showed its phase, step 1 the prefill.
+        assert seen[0]["type"] == "promptQueueing" and seen[0]["shown"].startswith("queued"), seen[:3]
+        starts = [e for e in seen if e["type"] == "executing" and e["detail"] == sampler_id]
+        assert starts and starts[0]["shown"] == "step 1/4 · prefill: prompt and references into the cache", starts
+        progress = {e["detail"]["value"]: e["shown"] for e in seen
+                    if e["type"] == "progress" and str(e["detail"].get("node")) == sampler_id}
+        assert progress.get(1) == "step 2/4 · cached step: image rows only", progress
+        assert progress.get(4) == "4 steps done: finishing", progress
+        prompt_id = next(e["detail"]["prompt_id"] for e in seen if e["type"] == "execution_start")
+
+        # The report on the node is /history's qi21_report, formatted; the note is marked; nothing is saved.
+        history = page.evaluate(HISTORY_SUMMARY, [prompt_id, sampler_id, harness.pack_dir_name()])
+        (report,) = history["reports"]
+        assert report["cache"] == "miss" and report["steps"] == 4
+        shown = page.evaluate(REPORT_ON_PAGE, sampler_id)
+        assert shown["connected"] and shown["visible"], shown
+        summary = history["view"]["summary"]
+        assert re.fullmatch(r"cache miss · \d[\d,]* prefix tokens · [\d.]+ KiB on cpu · prefill [\d.]+ m?s · "
+                            r"step [\d.]+ m?s", summary), summary
+        assert shown["value"] == history["line"] == f"{summary} · ⚠ 1 note"  # the widget's one-line value
+        note = "⚠ cfg 2.0 ignored: true CFG needs a negative prompt"
+        assert [line["text"] for line in shown["lines"]] == [summary, note]
+        assert shown["lines"][1]["kind"] == "qi21-report-warning"
+        assert shown["lines"][1]["color"] != shown["lines"][0]["color"], "the note is not marked"
+        assert shown["tooltip"] == history["view"]["tooltip"] and "prefix cache: miss" in shown["tooltip"]
+        page.wait_for_timeout(300)
+        clip = {k: max(0, v) for k, v in page.evaluate(FOCUS_NODE, sampler_id).items()}
+        page.wait_for_timeout(300)
+        target = screenshot_dirs[0] / "report_on_node.png"
+        page.screenshot(path=str(target), clip=clip)
+        for extra in screenshot_dirs[1:]:
+            shutil.copyfile(target, extra / target.name)
+        assert page.evaluate(REPORT_ON_PAGE, sampler_id)["text"] == shown["text"], "a redraw lost the report"
+
+        saved = json.dumps(page.evaluate("() => (app.rootGraph ?? app.graph).serialize()"))
+        queued = json.dumps(page.evaluate("async () => (await app.graphToPrompt())"))
+        for text in ("prefix tokens", "qi21_run_report", "qi21_report", "cache miss"):
+            assert text not in saved and text not in queued, f"{text!r} reached the saved workflow or the prompt"
+
+        # A batch of two with new seeds (the seed widget counts up after each queued prompt): both run, the node
+        # shows the last and how many ran.
+        seed = 1000
+        page.evaluate(SET_WIDGET, [sampler_id, "seed", seed])
+        page.evaluate(SET_WIDGET, [sampler_id, "control_after_generate", "increment"])
+        page.evaluate(RECORD_REPORT, sampler_id)
+        page.evaluate(QUEUE, 2)
+        _wait_for_report(page, sampler_id, "^last of 2 runs: cache miss · ", runs=2)
+        seen = page.evaluate("() => window.__qi21.seen")
+        assert [e["shown"] for e in seen if e["type"] == "promptQueueing"] == \
+            ["queued: the run report shows here after the run"]
+        # The last prompt again: ComfyUI serves it from its cache (no run, no report), and the node says so.
+        page.evaluate(SET_WIDGET, [sampler_id, "control_after_generate", "fixed"])
+        page.evaluate(SET_WIDGET, [sampler_id, "seed", seed + 1])
+        page.evaluate(RECORD_REPORT, sampler_id)
+        page.evaluate(QUEUE, 1)
+        _wait_for_report(page, sampler_id, r"^not re-run \(ComfyUI cache\) · cache miss · ")
+        seen = page.evaluate("() => window.__qi21.seen")
+        cached = next(e for e in seen if e["type"] == "execution_cached")
+        assert sampler_id in cached["detail"]["nodes"] and "the sampler did not run" in \
+            page.evaluate(REPORT_ON_PAGE, sampler_id)["tooltip"]
+    finally:
+        page.evaluate(f"async (value) => app.extensionManager.setting.set('{setting}', value)", vue_before)
+    ours = [m for m in messages[first_message:] if "Qwen-Image 2.1" in m or m.startswith("pageerror")]
+    assert not ours, "\n".join(ours)
+
+
 #: The sampler nodes' widgets as the Vue renderer draws them: {node id: {"preset": aria label found,
 #: "estimate": [value, readOnly] or null}}.
 VUE_WIDGETS = """(ids) => Object.fromEntries(ids.map((id) => {
   const el = document.querySelector(`[data-node-id="${id}"]`);
   const preset = el?.querySelector('[role="combobox"][aria-label="aspect preset"]');
   const estimate = el?.querySelector('input[aria-label="qi21_prefix_estimate"]');
-  return [id, { found: !!el, preset: !!preset, estimate: estimate ? [estimate.value, estimate.readOnly] : null }];
+  const report = el?.querySelector('.qi21-run-report');
+  return [id, { found: !!el, preset: !!preset, estimate: estimate ? [estimate.value, estimate.readOnly] : null,
+                report: report ? report.innerText : null }];
 }))"""
 
 
@@ -323,6 +479,7 @@ def test_ui_workflow_widgets_in_the_vue_node_renderer(vue_nodes, browser_page, s
         assert widgets["preset"], f"{path.name}: sampler {node_id} shows no 'aspect preset' combo: {widgets}"
         assert widgets["estimate"] and "token" in widgets["estimate"][0], f"{path.name}: {widgets}"
         assert widgets["estimate"][1] is True, f"{path.name}: the prefix estimate is editable in the Vue renderer"
+        assert widgets["report"] and "run report" in widgets["report"], f"{path.name}: no run report box: {widgets}"
     page.evaluate(FIT_VIEW)
     page.wait_for_timeout(500)
     target = screenshot_dirs[0] / f"{path.stem}_vue.png"

@@ -1,5 +1,6 @@
-"""The front-end extension (web/): its arithmetic under Node against the Python code, and the extension's wiring
-with a stubbed ComfyUI app and a fake graph (tests/web/). No browser and no ComfyUI: those checks are separate.
+"""The front-end extension (web/): its arithmetic under Node against the Python code, the run-report texts, and the
+extension's wiring with a stubbed ComfyUI app, api and a fake graph (tests/web/). No browser and no ComfyUI: those
+checks are separate (tests/test_comfyui_browser.py).
 
 Every test skips when `node` is not on PATH.
 """
@@ -36,6 +37,7 @@ def sandbox(tmp_path_factory) -> Path:
         shutil.copy(file, pack / file.name)
     (root / "scripts").mkdir()
     shutil.copy(HELPERS / "app_stub.mjs", root / "scripts" / "app.js")
+    shutil.copy(HELPERS / "api_stub.mjs", root / "scripts" / "api.js")
     (root / "package.json").write_text('{"type": "module"}\n')
     return pack
 
@@ -47,9 +49,9 @@ def _node(*args, stdin: str | None = None) -> str:
     return result.stdout
 
 
-def call(sandbox: Path, *calls):
-    """Call exported functions of web/qi21_estimate.js under Node: [(name, [args])] -> [result]."""
-    results = json.loads(_node(HELPERS / "call.mjs", sandbox / "qi21_estimate.js", stdin=json.dumps(calls)))
+def call(sandbox: Path, *calls, module: str = "qi21_estimate.js"):
+    """Call exported functions of web/<module> under Node: [(name, [args])] -> [result]."""
+    results = json.loads(_node(HELPERS / "call.mjs", sandbox / module, stdin=json.dumps(calls)))
     for (name, args), result in zip(calls, results):
         assert "error" not in result, f"{name}{tuple(args)} raised: {result['error']}"
     return [result["value"] for result in results]
@@ -64,7 +66,7 @@ def drive(sandbox: Path, scenario: str) -> dict:
 def test_every_js_file_in_web_is_an_es_module_node_can_load(sandbox):
     # ComfyUI imports every .js under WEB_DIRECTORY as a module; each must parse and load (qi21.js with the stub).
     files = sorted(p.name for p in WEB.glob("*.js"))
-    assert {"qi21.js", "qi21_estimate.js"} <= set(files)
+    assert {"qi21.js", "qi21_estimate.js", "qi21_report.js"} <= set(files)
     for name in files:
         _node("--check", sandbox / name)
     _node("--input-type=module", "-e", f"globalThis.__QI21_TEST_APP__ = {{registerExtension() {{}}}}; "
@@ -196,13 +198,16 @@ def test_extension_registers_once_with_its_hooks(full):
     assert full["timers"] and all(ms >= 500 for ms in full["timers"])  # a cheap poll, not a busy loop
 
 
+FRONT_END_WIDGETS = ["qi21_aspect_preset", "qi21_prefix_estimate", "qi21_run_report"]
+
+
 @pytest.mark.parametrize("sampler", ["sampler", "turbo"])
 def test_front_end_widgets_are_appended_and_never_serialized(full, sampler):
     node = full["created"][sampler]
     names = [w["name"] for w in node["widgets"]]
-    assert names[-2:] == ["qi21_aspect_preset", "qi21_prefix_estimate"]
-    schema_widgets = names[:-2]
-    for widget in node["widgets"][-2:]:
+    assert names[-3:] == FRONT_END_WIDGETS
+    schema_widgets = names[:-3]
+    for widget in node["widgets"][-3:]:
         assert widget["serialize"] is False and widget["optionsSerialize"] is False
     # Saved workflow: positional values only for the schema's widgets, no holes; named values likewise.
     assert len(node["widgets_values"]) == len(schema_widgets)
@@ -210,7 +215,7 @@ def test_front_end_widgets_are_appended_and_never_serialized(full, sampler):
     assert list(node["widgets_values_named"]) == schema_widgets
     # API prompt: only the schema's inputs.
     assert set(node["prompt"]) == set(schema_widgets)
-    preset = node["widgets"][-2]
+    preset = node["widgets"][-3]
     assert preset["type"] == "combo" and preset["values"][0] == "custom"
     assert preset["value"] == "follow reference (0x0)"  # width = height = 0 by default
 
@@ -261,3 +266,219 @@ def test_a_different_front_end_api_gives_one_warning_and_no_error(sandbox, scena
     result = drive(sandbox, scenario)
     assert result["loaded"] is True
     assert len(result["warnings"]) == 1 and "Qwen-Image 2.1" in result["warnings"][0]
+
+
+# ----------------------------------------------------------------------------- the run report (web/qi21_report.js)
+
+GIB = 1024**3
+#: A report as nodes/samplers.py returns it (model/sampling.py's keys), a kept-cache hit on a GPU.
+HIT = {"prefix_tokens": 4171, "target_tokens": 4096, "batch": 1, "steps": 8, "cache": "hit",
+       "cache_bytes": 4171 * MIB // 2, "cache_device": "cuda:0", "prefill_seconds": None, "step_seconds": 0.1612}
+#: A miss with notes, as a CPU run with a floored size and an unused negative prompt reports it.
+MISS = {"prefix_tokens": 5204, "target_tokens": 3968, "batch": 2, "steps": 40, "cache": "miss",
+        "cache_bytes": 5204 * MIB // 2, "cache_device": "cpu", "prefill_seconds": 1.2345, "step_seconds": 0.0456,
+        "notes": ["size 1000x1000 floored to 992x992 (multiples of 32)",
+                  "negative prompt ignored: true CFG needs cfg > 1"]}
+
+
+def report_call(sandbox, *calls):
+    return call(sandbox, *calls, module="qi21_report.js")
+
+
+def test_report_summary_is_one_compact_line(sandbox):
+    hit, miss, off = report_call(sandbox, ("summarizeReport", [HIT]), ("summarizeReport", [MISS]),
+                                 ("summarizeReport", [{"cache": "off", "prefix_tokens": 300, "cache_bytes": 0,
+                                                       "cache_device": None, "prefill_seconds": None,
+                                                       "step_seconds": 2.5}]))
+    assert hit == "cache hit · 4,171 prefix tokens · 2.0 GiB on cuda:0 · step 0.16 s"  # the issue's example
+    assert miss == "cache miss · 5,204 prefix tokens · 2.5 GiB on cpu · prefill 1.23 s · step 45.6 ms"
+    assert off == "cache off · 300 prefix tokens · step 2.50 s"  # no cache: no size, no device
+    assert report_call(sandbox, ("formatSeconds", [0.0043]), ("formatSeconds", [0.16]), ("formatSeconds", [12.34]),
+                       ("formatSeconds", [123.4]), ("formatSeconds", [None])) == \
+        ["4.3 ms", "0.16 s", "12.3 s", "123 s", "?"]
+
+
+def test_report_with_missing_keys_or_odd_values_shows_what_is_there(sandbox):
+    got = report_call(
+        sandbox,
+        ("summarizeReport", [{}]),
+        ("summarizeReport", [{"cache": "miss"}]),
+        ("summarizeReport", [{"prefix_tokens": "many", "cache_bytes": None, "step_seconds": "slow",
+                              "cache_device": "cuda:1"}]),
+        ("summarizeReport", [{"cache_bytes": 3 * GIB}]),  # bytes without a device: no "on ..."
+        ("summarizeReport", [None]),
+        ("reportNotes", [{"notes": "one note"}]),
+        ("reportNotes", [{"notes": ["a", None, "", {"b": 1}]}]),
+        ("reportNotes", [{}]),
+    )
+    assert got == ["no details reported", "cache miss", "no details reported", "3.0 GiB", "no report",
+                   ["one note"], ["a", '{"b":1}'], []]
+
+
+def test_report_detail_explains_every_key_then_the_notes(sandbox):
+    detail, later, extra = report_call(
+        sandbox, ("reportDetail", [MISS]), ("reportDetail", [HIT, {"index": 3, "count": 3}]),
+        ("reportDetail", [{"cache": "hit", "peak_bytes": 12 * GIB, "loras": [{"name": "style.safetensors",
+                                                                           "strength": 0.8}],
+                           "plan": {"weights": "cuda:0", "decode": "cpu"}, "new_key": [1, 2]}]))
+    lines = detail.split("\n")
+    assert lines[0] == "Qwen-Image 2.1 sampler: last run"
+    assert "prefix cache: miss (step 1 computed the prefix and cached it; later steps reused it)" in lines
+    assert "prefix tokens: 5,204 (prompt and references, all prompts)" in lines
+    assert "target tokens: 3,968 per image" in lines
+    assert "batch: 2 images sharing one cache" in lines
+    assert "steps: 40" in lines
+    assert f"cache size: 2.5 GiB ({5204 * MIB // 2:,} bytes)" in lines
+    assert "cache device: cpu" in lines
+    assert "prefill (step 1): 1.23 s" in lines
+    assert "mean step after the prefill: 45.6 ms" in lines
+    assert lines[-2:] == ["⚠ size 1000x1000 floored to 992x992 (multiples of 32)",
+                          "⚠ negative prompt ignored: true CFG needs cfg > 1"]
+    assert later.startswith("Qwen-Image 2.1 sampler: run 3 of 3 (the last is shown)\n")
+    assert "prefix cache: hit (the prefix came from a kept cache: no prefill this run)" in later
+    assert "prefill" not in later.replace("no prefill", "").replace("after the prefill", "")  # none on a hit
+    assert "peak device memory: 12.0 GiB" in extra
+    assert "LoRAs: style.safetensors (0.8)" in extra
+    assert "plan: weights cuda:0, decode cpu" in extra
+    assert "new_key: [1,2]" in extra  # keys added later still reach the tooltip
+
+
+def test_report_view_shows_the_last_run_counts_runs_and_marks_notes(sandbox):
+    one, many, cached, empty, bare, other = report_call(
+        sandbox, ("reportView", [{"qi21_report": [MISS]}]), ("reportView", [[HIT, MISS, HIT]]),
+        ("reportView", [[HIT], {"cached": True}]), ("reportView", [{"qi21_report": []}]),
+        ("reportView", [MISS]), ("reportView", [{"images": [{"filename": "x.png"}]}]))
+    assert one["summary"] == "cache miss · 5,204 prefix tokens · 2.5 GiB on cpu · prefill 1.23 s · step 45.6 ms"
+    assert one["runs"] is None and one["empty"] is False
+    assert one["notes"] == [{"text": "⚠ size 1000x1000 floored to 992x992 (multiples of 32)", "warning": True},
+                            {"text": "⚠ negative prompt ignored: true CFG needs cfg > 1", "warning": True}]
+    assert one["tooltip"].startswith("Qwen-Image 2.1 sampler: last run\n")
+    assert many["summary"] == "last of 3 runs: cache hit · 4,171 prefix tokens · 2.0 GiB on cuda:0 · step 0.16 s"
+    assert many["runs"] == "last of 3 runs" and many["notes"] == []
+    assert many["tooltip"].startswith("Qwen-Image 2.1 sampler: run 3 of 3")
+    assert cached["summary"].startswith("not re-run (ComfyUI cache) · cache hit")
+    assert "the sampler did not run" in cached["tooltip"]
+    assert empty == {"empty": True, "summary": "", "runs": None, "notes": [], "tooltip": ""}
+    assert bare["summary"] == one["summary"]  # a bare report dict works too
+    assert other["empty"] is True  # another node's UI output is no report
+    line, quiet = report_call(sandbox, ("reportLine", [one]), ("reportLine", [many]))
+    assert line == one["summary"] + " · ⚠ 2 notes" and quiet == many["summary"]
+
+
+def test_phase_follows_comfyui_progress(sandbox):
+    phases = report_call(
+        sandbox,
+        ("describePhase", [{"running": False}]),
+        ("describePhase", [{"running": True, "value": 0, "max": 8}]),  # step 1 runs: no progress event yet
+        ("describePhase", [{"running": True, "value": 1, "max": 8}]),  # step 1 done: the cached steps
+        ("describePhase", [{"running": True, "value": 7, "max": 8}]),
+        ("describePhase", [{"running": True, "value": 8, "max": 8}]),
+        ("describePhase", [{"running": True, "value": 0, "max": 8, "keepCache": True}]),
+        ("describePhase", [{"running": True, "value": 3, "max": 8, "prefixCache": "off"}]),
+        ("describePhase", [{"running": True}]),  # steps unknown
+        ("describeStop", ["interrupted", {"value": 2, "max": 8}]),
+        ("describeStop", ["error", {"value": 0, "max": None}]),
+    )
+    assert phases[0] is None
+    assert phases[1] == {"short": "prefill 1/8", "text": "step 1/8 · prefill: prompt and references into the cache"}
+    assert phases[2] == {"short": "cached 2/8", "text": "step 2/8 · cached step: image rows only"}
+    assert phases[3]["short"] == "cached 8/8"
+    assert phases[4] == {"short": "done 8/8", "text": "8 steps done: finishing"}
+    assert phases[5]["text"] == "step 1/8 · prefill, or a kept cache (keep_cache)"
+    assert phases[6] == {"short": "step 4/8", "text": "step 4/8 · full sequence (prefix cache off)"}
+    assert phases[7]["short"] == "prefill 1"
+    assert phases[8:] == ["⚠ interrupted at step 3/8", "⚠ failed at step 1"]
+
+
+@pytest.fixture(scope="module")
+def report_run(sandbox):
+    return drive(sandbox, "report")
+
+
+def _lines(view):
+    return [(line["kind"], line["text"]) for line in view["lines"]]
+
+
+def test_report_widget_is_appended_front_end_only_in_both_renderings(report_run):
+    assert report_run["warnings"] == []
+    for name, kind in (("base", "qi21_report"), ("turbo", "text")):  # a DOM widget; without one, a text widget
+        node = report_run["created"][name]
+        widget = node["widgets"][-1]
+        assert (widget["name"], widget["type"], widget["label"]) == ("qi21_run_report", kind, "last run")
+        assert widget["serialize"] is False and widget["optionsSerialize"] is False
+    assert _lines(report_run["initial"]["base"]) == [("placeholder", "no run yet: the run report shows here")]
+    assert report_run["initial"]["turbo"]["value"] == "no run yet: the run report shows here"
+
+
+def test_report_shows_after_the_run_with_phases_while_it_runs(report_run):
+    r = report_run
+    assert _lines(r["queued"]) == [("placeholder", "queued: the run report shows here after the run")]
+    assert _lines(r["step1"]) == [("phase", "step 1/40 · prefill: prompt and references into the cache")]
+    assert r["title1"] == [{"text": "prefill 1/40", "x": 305, "y": -15}]  # title bar, right end, beside the bar
+    assert _lines(r["step2"]) == [("phase", "step 2/3 · cached step: image rows only")]
+    assert _lines(r["finishing"]) == [("phase", "3 steps done: finishing")]
+    hit = "cache hit · 4,171 prefix tokens · 2.0 GiB on cuda:0 · step 0.16 s"
+    assert _lines(r["afterBase"]) == [("summary", hit)] and r["afterBase"]["value"] == hit
+    assert r["afterBase"]["tooltip"].startswith("Qwen-Image 2.1 sampler: last run\nprefix cache: hit")
+    assert r["titleIdle"] == []  # nothing drawn once it is done
+    assert r["turboStep1"]["value"] == "step 1/8 · prefill: prompt and references into the cache"  # Turbo: 8 steps
+    # The Turbo sampler (text-widget fallback): one line with the note count, the notes in the tooltip.
+    turbo = r["afterRun"]["turbo"]
+    assert turbo["value"] == \
+        "cache miss · 31 prefix tokens · 62.0 KiB on cpu · prefill 0.43 s · step 52.3 ms · ⚠ 2 notes"
+    assert turbo["tooltip"].endswith("⚠ size 1000x1000 floored to 992x992 (multiples of 32)\n"
+                                     "⚠ negative prompt ignored: true CFG needs cfg > 1")
+    assert "batch: 2 images sharing one cache" in turbo["tooltip"]
+    # Two samplers in one graph: each keeps its own report; a redraw changes nothing.
+    assert r["afterRun"]["base"]["value"] == hit
+    assert r["redrawn"] == r["afterRun"]["base"]
+    assert r["sizes"]["after"][1] >= r["sizes"]["needed"][1]  # the node is tall enough for its report
+
+
+def test_notes_are_marked_as_warnings_on_the_dom_widget(report_run):
+    assert all(line["color"] for line in report_run["interrupted"]["lines"] if line["kind"] == "warning")
+    assert _lines(report_run["interrupted"]) == [("warning", "⚠ interrupted at step 3/8")]
+
+
+def test_report_is_never_saved_nor_queued(report_run):
+    for name in ("base", "turbo"):
+        saved = report_run["saved"][name]
+        assert saved["properties"] == {}
+        schema = [w["name"] for w in saved["widgets"] if w["name"] not in FRONT_END_WIDGETS]
+        assert list(saved["widgets_values_named"]) == schema and len(saved["widgets_values"]) == len(schema)
+        assert set(saved["prompt"]) == set(schema)
+        text = json.dumps({k: saved[k] for k in ("properties", "widgets_values", "widgets_values_named", "prompt",
+                                                  "title")})
+        for word in ("prefix tokens", "cache hit", "cache miss", "qi21_run_report", "qi21_report"):
+            assert word not in text
+
+
+def test_batches_cache_and_requeue(report_run):
+    r = report_run
+    assert r["batch"]["value"] == "last of 3 runs: cache hit · 102 prefix tokens · 2.0 GiB on cuda:0 · step 0.16 s"
+    assert r["batch"]["tooltip"].startswith("Qwen-Image 2.1 sampler: run 3 of 3")
+    assert r["turboAfterBatch"]["value"] == "queued: the run report shows here after the run"  # cleared on queue
+    assert r["twoInOne"]["value"].startswith("last of 2 runs: cache hit · 7 prefix tokens")
+    # ComfyUI's cache: the sampler does not run; the node shows the last report it had, marked.
+    assert r["cachedAnnounced"]["value"] == \
+        "not re-run (ComfyUI cache) · cache hit · 7 prefix tokens · 2.0 GiB on cuda:0 · step 0.16 s"  # the last one
+    assert r["cached"]["value"].startswith("not re-run (ComfyUI cache) · cache hit · 4,171 prefix tokens")
+    assert r["cachedNoUi"]["value"] == r["cached"]["value"]
+    assert "the sampler did not run" in r["cachedNoUi"]["tooltip"]
+    assert r["cachedNever"]["value"] == "not re-run (ComfyUI cache): no report in this page yet"
+    assert _lines(r["cacheOff"]) == [("phase", "step 3/8 · full sequence (prefix cache off)")]
+    assert _lines(r["keepCache"]) == [("phase", "step 1/8 · prefill, or a kept cache (keep_cache)")]
+    assert _lines(r["requeued"]) == [("placeholder", "queued: the run report shows here after the run")]
+    assert r["sparse"]["value"] == "cache off"
+    assert "future_key: 3" in r["sparse"]["tooltip"]
+    assert r["notAReport"] == r["sparse"]  # another UI entry leaves the report alone
+    assert _lines(r["subgraph"]) == [("phase", "step 2/8 · cached step: image rows only")]  # "7:12" execution ids
+    assert _lines(r["rootWhileSubgraph"]) == [("placeholder", "queued: the run report shows here after the run")]
+
+
+def test_without_comfyui_api_events_reports_still_arrive(sandbox):
+    result = drive(sandbox, "no-api")
+    assert result["loaded"] is True
+    (warning,) = result["warnings"]
+    assert "Qwen-Image 2.1" in warning and "(live)" in warning
+    assert result["view"]["value"] == "cache miss · 12 prefix tokens"

@@ -3,7 +3,7 @@
 // Pure functions only (no DOM, no ComfyUI), so Node can unit-test them (tests/test_web_extension.py).
 // ComfyUI also loads this file as an extension because it sits in WEB_DIRECTORY; it has no side effects.
 //
-// Numbers (shared/design/CHECKPOINTS.md, model/references.py, model/sampling.py):
+// Numbers (the DiT's config in docs/checkpoints.md, model/references.py, model/sampling.py):
 // - a reference of W x H pixels is resized once to area ~ resolution^2, aspect kept, each side rounded to a
 //   multiple of 32 with Python's round (ties to even); resolution 0 keeps its own size floored to x32;
 // - each resized reference becomes (H/16) * (W/16) latent tokens in the prefix;
@@ -23,7 +23,8 @@ export const TEMPLATE_TOKENS = 10;
 export const REFERENCE_TAG_TOKENS = 8;
 /** Prompt characters per token, a rough average for English BPE text. */
 export const CHARS_PER_TOKEN = 4;
-/** The full-size DiT (CHECKPOINTS.md): 32 layers x 32 heads x 128 head_dim, cache in bf16. */
+/** The full-size DiT: num_layers 32, num_attention_heads 32, attention_head_dim 128 (its transformer config, see
+ * docs/checkpoints.md); the cache is kept in bf16. */
 export const FULL_MODEL = Object.freeze({ layers: 32, heads: 32, headDim: 128, bytesPerElement: 2 });
 /** The default output/reference size: area ~ 1024^2. */
 export const DEFAULT_RESOLUTION = 1024;

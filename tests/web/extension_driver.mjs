@@ -3,7 +3,7 @@
 // Usage: node extension_driver.mjs <sandbox>/extensions/<pack>/qi21.js <scenario>
 import { pathToFileURL } from "node:url";
 
-import { FakeGraph, nodeClass } from "./fake_graph.mjs";
+import { FakeGraph, fakeDocument, nodeClass } from "./fake_graph.mjs";
 
 const [modulePath, scenario] = process.argv.slice(2);
 const warnings = [];
@@ -58,9 +58,165 @@ function snapshot(node) {
   };
 }
 
+/** What a sampler's report widget shows: the DOM widget's lines and title, or the text widget's value/tooltip. */
+function domView(node) {
+  const w = widget(node, "qi21_run_report");
+  if (!w) return null;
+  if (w.element) {
+    return {
+      kind: "dom", value: w.value, tooltip: w.element.title,
+      lines: w.element.children.map((c) => ({ kind: c.className.replace(/^qi21-report-/, ""), text: c.textContent,
+        color: c.style.color ?? null })),
+    };
+  }
+  return { kind: "text", value: w.value, tooltip: w.tooltip ?? null, lines: null };
+}
+
+/** A 2D context that records fillText calls (the title-bar phase). */
+function recordingContext() {
+  const texts = [];
+  return {
+    texts, save() {}, restore() {}, fillText(text, x, y) { texts.push({ text, x, y }); },
+  };
+}
+
+const REPORT_HIT = { prefix_tokens: 4171, target_tokens: 4096, batch: 1, steps: 8, cache: "hit",
+  cache_bytes: 4171 * 524288, cache_device: "cuda:0", prefill_seconds: null, step_seconds: 0.1612 };
+const REPORT_MISS_NOTES = { prefix_tokens: 31, target_tokens: 256, batch: 2, steps: 3, cache: "miss", cache_bytes: 63488,
+  cache_device: "cpu", prefill_seconds: 0.4321, step_seconds: 0.0523,
+  notes: ["size 1000x1000 floored to 992x992 (multiples of 32)", "negative prompt ignored: true CFG needs cfg > 1"] };
+
+async function reportScenario() {
+  const out = {};
+  globalThis.document = fakeDocument;
+  const api = new EventTarget();
+  globalThis.__QI21_TEST_API__ = api;
+  const send = (type, detail) => api.dispatchEvent(new CustomEvent(type, { detail }));
+  const app = fakeApp();
+  const graph = new FakeGraph();
+  app.graph = graph;
+  app.rootGraph = graph;
+  await load(app);
+  const ext = app.extensions[0];
+  // The Base sampler with the front end's DOM widgets, the Turbo sampler without (the text-widget fallback).
+  const C = {
+    QI21Sampler: nodeClass("QI21Sampler", { domWidgets: true }),
+    QI21TurboSampler: nodeClass("QI21TurboSampler"),
+  };
+  for (const [name, cls] of Object.entries(C)) await ext.beforeRegisterNodeDef?.(cls, { name }, app);
+  await ext.setup?.(app);
+  const make = async (name, spec, into = graph) => {
+    const node = new C[name](spec);
+    await ext.nodeCreated?.(node, app);
+    return into.add(node);
+  };
+  const base = await make("QI21Sampler", { inputs: SAMPLER_INPUTS, widgets: SAMPLER_WIDGETS });
+  const turbo = await make("QI21TurboSampler", { inputs: TURBO_INPUTS, widgets: TURBO_WIDGETS });
+  const id = (node) => String(node.id);
+  out.created = { base: snapshot(base), turbo: snapshot(turbo) };
+  out.initial = { base: domView(base), turbo: domView(turbo) };
+  const sizeBefore = [...base.size];
+
+  // Queue: both are cleared ("queued"); the Base sampler runs: step 1 (prefill), then cached steps.
+  send("promptQueueing", { requestId: 1, batchCount: 1 });
+  out.queued = domView(base);
+  send("execution_start", { prompt_id: "p1" });
+  send("executing", id(base));
+  out.step1 = domView(base);
+  const ctx = recordingContext();
+  base.onDrawForeground?.(ctx);
+  out.title1 = ctx.texts;
+  send("progress", { value: 1, max: 3, node: id(base), prompt_id: "p1" });
+  out.step2 = domView(base);
+  send("progress", { value: 3, max: 3, node: id(base), prompt_id: "p1" });
+  out.finishing = domView(base);
+  base.onExecuted({ qi21_report: [REPORT_HIT] });
+  out.afterBase = domView(base);
+  const idle = recordingContext();
+  base.onDrawForeground?.(idle);
+  out.titleIdle = idle.texts;
+  // The Turbo sampler in the same prompt: a miss with notes.
+  send("executing", id(turbo));
+  out.turboStep1 = domView(turbo);
+  turbo.onExecuted({ qi21_report: [REPORT_MISS_NOTES] });
+  send("executing", null);
+  send("execution_success", { prompt_id: "p1" });
+  out.afterRun = { base: domView(base), turbo: domView(turbo) };
+  out.redrawn = (() => { base.onDrawForeground?.(recordingContext()); return domView(base); })();
+  out.sizes = { before: sizeBefore, after: [...base.size], needed: base.computeSize() };
+  out.saved = { base: snapshot(base), turbo: snapshot(turbo) };
+
+  // Queue with batch count 3: cleared once, then one report per prompt; the last shows, with the count.
+  send("promptQueueing", { requestId: 2, batchCount: 3 });
+  for (let i = 0; i < 3; i++) {
+    send("execution_start", { prompt_id: `b${i}` });
+    send("executing", id(base));
+    base.onExecuted({ qi21_report: [{ ...REPORT_HIT, prefix_tokens: 100 + i }] });
+    send("execution_success", { prompt_id: `b${i}` });
+  }
+  out.batch = domView(base);
+  out.turboAfterBatch = domView(turbo); // not in these prompts: cleared, waiting
+  // One output holding two runs (ComfyUI ran the node over a list): the last, and how many.
+  send("promptQueueing", { requestId: 3, batchCount: 1 });
+  base.onExecuted({ qi21_report: [{ ...REPORT_HIT, cache: "miss" }, { ...REPORT_HIT, prefix_tokens: 7 }] });
+  out.twoInOne = domView(base);
+  // ComfyUI's cache: execution_cached names the node, then `executed` repeats the old output.
+  send("promptQueueing", { requestId: 4, batchCount: 1 });
+  send("execution_start", { prompt_id: "c1" });
+  send("execution_cached", { nodes: [id(base)], prompt_id: "c1" });
+  out.cachedAnnounced = domView(base); // ComfyUI sends no report for a cached node that is no output node
+  base.onExecuted({ qi21_report: [REPORT_HIT] }); // ... unless it does (an output node's cached UI)
+  out.cached = domView(base);
+  send("promptQueueing", { requestId: 41, batchCount: 1 });
+  send("execution_start", { prompt_id: "c2" });
+  send("execution_cached", { nodes: [id(base)], prompt_id: "c2" });
+  send("execution_success", { prompt_id: "c2" });
+  out.cachedNoUi = domView(base);
+  // Cache off / keep_cache: other phase texts. Then an interrupt at step 3 of 8.
+  widget(base, "prefix_cache").value = "off";
+  send("promptQueueing", { requestId: 5, batchCount: 1 });
+  send("execution_start", { prompt_id: "i1" });
+  send("executing", id(base));
+  send("progress", { value: 2, max: 8, node: id(base), prompt_id: "i1" });
+  out.cacheOff = domView(base);
+  widget(base, "prefix_cache").value = "on";
+  widget(base, "keep_cache").value = true;
+  send("progress", { value: 0, max: 8, node: id(base), prompt_id: "i1" });
+  out.keepCache = domView(base);
+  widget(base, "keep_cache").value = false;
+  send("progress", { value: 2, max: 8, node: id(base), prompt_id: "i1" });
+  send("execution_interrupted", { prompt_id: "i1", node_id: id(base), node_type: "QI21Sampler", executed: [] });
+  out.interrupted = domView(base);
+  send("promptQueueing", { requestId: 6, batchCount: 1 });
+  out.requeued = domView(base);
+  // Missing keys and odd values: only what is there is shown; unknown keys reach the tooltip.
+  base.onExecuted({ qi21_report: [{ cache: "off", prefix_tokens: "many", future_key: 3 }] });
+  out.sparse = domView(base);
+  base.onExecuted({ other_ui: ["x"] });
+  out.notAReport = domView(base);
+
+  // A sampler inside a subgraph: execution id "<subgraph node>:<node>".
+  const sub = new FakeGraph();
+  const holder = graph.add({ type: "Subgraph", subgraph: sub, widgets: [], inputs: [] });
+  const inner = await make("QI21Sampler", { inputs: SAMPLER_INPUTS, widgets: SAMPLER_WIDGETS }, sub);
+  send("promptQueueing", { requestId: 7, batchCount: 1 });
+  send("executing", `${holder.id}:${inner.id}`);
+  send("progress", { value: 1, max: 8, node: `${holder.id}:${inner.id}` });
+  out.subgraph = domView(inner);
+  send("execution_start", { prompt_id: "s2" });
+  send("execution_cached", { nodes: [`${holder.id}:${inner.id}`] }); // never ran in this page
+  out.cachedNever = domView(inner);
+  out.rootWhileSubgraph = domView(base);
+  graph.remove(turbo);
+  send("promptQueueing", { requestId: 8, batchCount: 1 });
+  out.warnings = warnings;
+  return out;
+}
+
 async function main() {
   const out = { warnings };
   if (scenario === "full") {
+    globalThis.__QI21_TEST_API__ = new EventTarget();
     const app = fakeApp();
     const graph = new FakeGraph();
     app.graph = graph;
@@ -153,6 +309,25 @@ async function main() {
     preset.value = "custom";
     sampler.onConfigure?.({});
     out.afterConfigure = preset.value;
+  } else if (scenario === "report") {
+    Object.assign(out, await reportScenario());
+  } else if (scenario === "no-api") {
+    // A front end whose scripts/api.js exports nothing usable: reports still arrive through onExecuted.
+    globalThis.document = fakeDocument;
+    const app = fakeApp();
+    const graph = new FakeGraph();
+    app.graph = graph;
+    await load(app);
+    const ext = app.extensions[0];
+    const Sampler = nodeClass("QI21Sampler", { domWidgets: true });
+    await ext.beforeRegisterNodeDef?.(Sampler, { name: "QI21Sampler" }, app);
+    const node = new Sampler({ inputs: SAMPLER_INPUTS, widgets: SAMPLER_WIDGETS });
+    await ext.nodeCreated?.(node, app);
+    graph.add(node);
+    await ext.setup?.(app);
+    node.onExecuted({ qi21_report: [{ cache: "miss", prefix_tokens: 12 }] });
+    out.view = domView(node);
+    out.loaded = true;
   } else if (scenario === "no-register") {
     await load({});
     out.loaded = true;

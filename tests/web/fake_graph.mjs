@@ -1,6 +1,7 @@
 // A minimal stand-in for the LiteGraph node/graph surface the extension touches, for Node-only tests.
 // It mirrors the calls of ComfyUI's front end (LGraphNode.addWidget / findInputSlot / getInputNode /
-// setDirtyCanvas, graph._links as a Map, LGraphNode.serialize skipping `widget.serialize === false`), nothing more.
+// setDirtyCanvas, graph._links as a Map, LGraphNode.serialize skipping `widget.serialize === false`, and, for
+// classes made with `{ domWidgets: true }`, the front end's addDOMWidget / computeSize / setSize), nothing more.
 
 export class FakeGraph {
   constructor() {
@@ -31,19 +32,33 @@ export class FakeGraph {
     target.onConnectionsChange?.(1, slot, true, this._links.get(id), target.inputs[slot]);
   }
 
+  /** As LGraph.remove: the node's onRemoved hook runs, the node leaves the graph. */
+  remove(node) {
+    node.onRemoved?.();
+    this._nodes = this._nodes.filter((n) => n !== node);
+    node.graph = null;
+  }
+
   setDirtyCanvas() {}
 }
 
+const WIDGET_HEIGHT = 24; // LiteGraph.NODE_WIDGET_HEIGHT
+const TITLE_HEIGHT = 30;
+
 /** Node class per ComfyUI type, so extensions can patch `prototype` in beforeRegisterNodeDef. */
-export function nodeClass(comfyClass) {
-  return class FakeNode {
+export function nodeClass(comfyClass, { domWidgets = false } = {}) {
+  const FakeNode = class FakeNode {
     static comfyClass = comfyClass;
 
     constructor({ inputs = [], widgets = [] } = {}) {
       this.comfyClass = comfyClass;
       this.type = comfyClass;
+      this.title = comfyClass;
       this.mode = 0;
       this.dirty = 0;
+      this.properties = {};
+      this.size = [315, 200];
+      this.flags = {};
       this.inputs = inputs.map((name) => ({ name, link: null }));
       this.widgets = [];
       for (const [type, name, value, options] of widgets) {
@@ -73,6 +88,17 @@ export function nodeClass(comfyClass) {
       this.dirty += 1;
     }
 
+    /** As LGraphNode.computeSize(): a row per plain widget, a DOM widget's minimum height. */
+    computeSize() {
+      let height = TITLE_HEIGHT + WIDGET_HEIGHT * Math.max(this.inputs.length, 1);
+      for (const widget of this.widgets) height += widget.element ? widget.options.getMinHeight?.() ?? 50 : WIDGET_HEIGHT;
+      return [this.size[0], height];
+    }
+
+    setSize(size) {
+      this.size = [...size];
+    }
+
     /** As LGraphNode.serialize(): each value at its widget's index, skipping serialize === false. */
     serialize() {
       const widgets_values = [];
@@ -82,7 +108,8 @@ export function nodeClass(comfyClass) {
         widgets_values[i] = widget.value;
         widgets_values_named[widget.name] = widget.value;
       }
-      return { widgets_values, widgets_values_named };
+      return { id: this.id, type: this.type, title: this.title, properties: structuredClone(this.properties),
+        widgets_values, widgets_values_named };
     }
 
     /** As graphToPrompt: widgets whose options.serialize is not false go into the API prompt. */
@@ -92,4 +119,55 @@ export function nodeClass(comfyClass) {
       );
     }
   };
+  if (domWidgets) {
+    /** As the front end's LGraphNode.addDOMWidget: the widget's value goes through options.getValue/setValue. */
+    FakeNode.prototype.addDOMWidget = function (name, type, element, options = {}) {
+      const widget = {
+        name, type, element, options, y: 0,
+        get value() { return options.getValue?.(); },
+        set value(v) { options.setValue?.(v); },
+      };
+      this.widgets.push(widget);
+      return widget;
+    };
+  }
+  return FakeNode;
 }
+
+/** Just enough of `document` for a DOM widget: createElement, className/style/title, replaceChildren. */
+export class FakeElement {
+  constructor(tag) {
+    this.tagName = tag.toUpperCase();
+    this.className = "";
+    this.style = {};
+    this.title = "";
+    this.attributes = {};
+    this.children = [];
+    this.ownText = "";
+  }
+
+  setAttribute(name, value) {
+    this.attributes[name] = String(value);
+  }
+
+  appendChild(child) {
+    this.children.push(child);
+    return child;
+  }
+
+  replaceChildren(...children) {
+    this.children = children;
+    this.ownText = "";
+  }
+
+  get textContent() {
+    return this.ownText + this.children.map((c) => c.textContent).join("");
+  }
+
+  set textContent(text) {
+    this.children = [];
+    this.ownText = String(text);
+  }
+}
+
+export const fakeDocument = { createElement: (tag) => new FakeElement(tag), hidden: false };
