@@ -1,0 +1,674 @@
+"""ComfyUI's per-layer quantized checkpoints (int8 ConvRot, fp8, W4A8, ConvRot W4A4), kept quantized and run
+through comfy-kitchen's kernels.
+
+What is on disk (docs/checkpoints.md, "Quantized files"): next to each quantized Linear `L` the file holds
+`L.weight` in the format's storage dtype, its scales (`L.weight_scale`, `L.input_scale`, W4A8's
+`L.weight_s_rel` / `L.weight_s_channel` / `L.weight_codebook`), and a description of the layer: a `L.comfy_quant`
+tensor of UTF-8 JSON bytes, or the same JSON under `layers` in the header metadata `_quantization_metadata`.
+Legacy scaled-fp8 files instead carry a `scaled_fp8` marker tensor and `L.scale_weight` / `L.scale_input`.
+
+`plan_quantization` reads the descriptions (small JSON blobs; no weight is read) and checks every quantized
+layer from the headers alone: a known format, every scale present with the shape and dtype the format needs,
+nothing left over, a format this machine and comfy-kitchen can run. Only then do the loaders read weights. A
+quantized layer becomes a `QuantLinear` (a `dit.Linear`, so LoRA adapters and the DiT's row-range calls work
+unchanged) or, for a text encoder's token table, a `QuantEmbedding`. Each file tensor stays one segment of its
+own, in its stored dtype and with its own scales (the fused [q; k; v] of the DiT is three file tensors, each with
+its own scale), so the parameter bytes are the file's payload and nothing is upcast.
+
+How each format runs (comfy-kitchen picks its CUDA/Triton kernels where it has them, its eager torch code on a
+CPU):
+- `int8_tensorwise` (`convrot` or not): `int8_linear`, which quantizes the activations per row (W8A8; with ConvRot
+  it rotates them by the same Hadamard blocks first);
+- `asym_w4a8_int8`: `w4a8_int8_linear` (int4 codebook weights, int8 activations);
+- `convrot_w4a4`: `convrot_w4a4_linear` (int4 weights and activations), when a backend of comfy-kitchen has it;
+- `float8_e4m3fn` / `float8_e5m2`: weight-only here: the rows are dequantized by comfy-kitchen and the GEMM runs in
+  the compute dtype (what ComfyUI does on hardware without fp8 matmuls);
+- a layer marked `full_precision_matrix_mult`: dequantized rows and a plain GEMM, whatever the format.
+`nvfp4` and `mxfp8` are refused with the hardware they need. comfy-kitchen itself is imported lazily, only when
+a quantized file (or the DiT loader's own fp8 option) needs it.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .dit import Linear
+from .safetensors_io import CheckpointError, TensorInfo, parse_json_object
+
+INSTALL = ("Install it with `pip install \"comfy-kitchen>=0.2.31\"` (inside ComfyUI: with ComfyUI's own python; "
+           "current ComfyUI lists it in its requirements) and restart ComfyUI.")
+MAX_DESCRIPTION_BYTES = 64 * 1024  # a layer's JSON description is tens of bytes
+FLOATS = ("F32", "F16", "BF16")  # stored dtypes a scale may have
+FP8_DTYPES = {"float8_e4m3fn": ("F8_E4M3", torch.float8_e4m3fn), "float8_e5m2": ("F8_E5M2", torch.float8_e5m2)}
+# Formats ComfyUI knows that only Blackwell tensor cores run (comfy/quant_ops.py QUANT_ALGOS).
+BLACKWELL_FORMATS = ("nvfp4", "mxfp8")
+# Per-layer keys of a quantized Linear, by role; the legacy scaled-fp8 names are aliases.
+ROLES = ("weight_scale", "input_scale", "weight_s_rel", "weight_s_channel", "weight_codebook", "weight_correction",
+         "weight_scale_2", "pre_quant_scale")
+ALIASES = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
+DESCRIPTION = "comfy_quant"
+LEGACY_MARKER = "scaled_fp8"
+# The axis of each role that runs along the weight's rows (None: one value for the whole tensor).
+ROW_AXIS = {"weight": 0, "weight_scale": 0, "input_scale": None, "weight_s_rel": 0, "weight_s_channel": 0,
+            "weight_codebook": None, "weight_correction": 1}
+
+
+@dataclass(frozen=True)
+class Format:
+    """What a format stores (`weight` dtype, whether two 4-bit values share a byte along the inputs), which roles
+    it requires and allows, the comfy-kitchen function that runs it and whether that quantizes activations."""
+
+    weight_dtypes: tuple[str, ...]
+    packed: bool
+    required: tuple[str, ...]
+    optional: tuple[str, ...]
+    kernel: str
+    quantizes_input: bool
+
+
+FORMATS = {
+    "int8_tensorwise": Format(("I8",), False, ("weight_scale",), (), "int8_linear", True),
+    "float8_e4m3fn": Format(("F8_E4M3",), False, ("weight_scale",), ("input_scale",), "dequantize_per_tensor_fp8",
+                            False),
+    "float8_e5m2": Format(("F8_E5M2",), False, ("weight_scale",), ("input_scale",), "dequantize_per_tensor_fp8",
+                          False),
+    "asym_w4a8_int8": Format(("I8",), True, ("weight_s_rel", "weight_s_channel"),
+                             ("weight_codebook", "weight_correction"), "w4a8_int8_linear", True),
+    "convrot_w4a4": Format(("I8",), True, ("weight_scale",), (), "convrot_w4a4_linear", True),
+}
+
+
+def kitchen(what: str = "Quantized weights"):
+    """comfy-kitchen, imported on first use (an ImportError saying how to install it when it is missing)."""
+    try:
+        import comfy_kitchen
+    except ImportError as error:
+        raise ImportError(f"{what} run through the comfy-kitchen package, which cannot be imported ({error}). "
+                          f"{INSTALL}") from None
+    return comfy_kitchen
+
+
+def kitchen_installed() -> bool:
+    """Whether comfy-kitchen can be imported (asked only when fp8 weights are being stored)."""
+    try:
+        import comfy_kitchen  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- reading the descriptions -----------------------------------------------------------------------------------
+def _role_of(key: str) -> tuple[str, str] | None:
+    """(layer, role) of a quantization key `L.<role>` (aliases resolved), None for any other key."""
+    layer, _, suffix = key.rpartition(".")
+    if not layer:
+        return None
+    if suffix in ROLES:
+        return layer, suffix
+    if suffix in ALIASES:
+        return layer, ALIASES[suffix]
+    return None
+
+
+def _is_marker(key: str) -> bool:
+    return key == LEGACY_MARKER or key.endswith("." + LEGACY_MARKER)
+
+
+def _descriptions(tensors: dict[str, TensorInfo], metadata: dict, read: Callable, where: str,
+                  rename: Callable[[str], str]) -> dict[str, dict]:
+    """{layer: description dict} from the header metadata, the `comfy_quant` tensors and the legacy marker."""
+    found: dict[str, dict] = {}
+
+    def add(layer: str, description, source: str) -> None:
+        if not isinstance(description, dict) or not isinstance(description.get("format"), str):
+            raise CheckpointError(f"{where}: {source} does not describe a quantized layer (a JSON object with a "
+                                  "\"format\"); the file is damaged. Download it again.")
+        if layer in found and found[layer].get("format") != description["format"]:
+            raise CheckpointError(f"{where}: {layer} is described as {found[layer]['format']!r} and as "
+                                  f"{description['format']!r}; the file contradicts itself. Download it again.")
+        found[layer] = {**found.get(layer, {}), **description}
+
+    if "_quantization_metadata" in metadata:
+        data = parse_json_object(metadata["_quantization_metadata"].encode("utf-8"), where,
+                                 "_quantization_metadata header entry", 8)
+        layers = data.get("layers")
+        if not isinstance(layers, dict):
+            raise CheckpointError(f"{where}: the header's _quantization_metadata has no \"layers\" object; the file "
+                                  "is damaged. Download it again.")
+        for name, description in layers.items():
+            add(rename(name), description, f"_quantization_metadata layer {name!r}")
+    for key, info in tensors.items():
+        if not key.endswith("." + DESCRIPTION):
+            continue
+        if info.dtype != "U8" or len(info.shape) != 1 or info.shape[0] > MAX_DESCRIPTION_BYTES:
+            raise CheckpointError(f"{where}: {key} is {info.dtype} {list(info.shape)}; a layer description is a short "
+                                  "1-D U8 tensor of JSON bytes. The file is damaged; download it again.")
+        raw = bytes(read(key).numpy().tobytes())
+        add(key[: -len(DESCRIPTION) - 1], parse_json_object(raw, where, f"{key} description", 8), key)
+    markers = [key for key in tensors if _is_marker(key)]
+    if markers and "_quantization_metadata" not in metadata:
+        # ComfyUI's legacy scaled fp8: every layer with a scale_weight is fp8 in its weight's own dtype; a marker of
+        # 2 elements asked for the matrix multiplication in full precision.
+        full = math.prod(tensors[markers[0]].shape) == 2
+        fp8 = {dtype for dtype, _ in FP8_DTYPES.values()}
+        unscaled = sorted(key for key, info in tensors.items() if key.endswith(".weight") and info.dtype in fp8
+                          and key[: -len(".weight")] + ".scale_weight" not in tensors)
+        if unscaled:
+            raise CheckpointError(f"{where}: {unscaled[0]} is a scaled-fp8 weight (the file has a {markers[0]} "
+                                  f"marker) without its {unscaled[0][: -len('.weight')]}.scale_weight; the file is "
+                                  "incomplete. Download it again.")
+        for key in tensors:
+            if key.endswith(".scale_weight"):
+                layer = key[: -len(".scale_weight")]
+                weight = tensors.get(layer + ".weight")
+                fmt = next((name for name, (dtype, _) in FP8_DTYPES.items() if weight and weight.dtype == dtype),
+                           f"scaled fp8 with a {weight.dtype if weight else 'missing'} weight")
+                add(layer, {"format": fmt, "full_precision_matrix_mult": full}, key)
+    return found
+
+
+# -- checking a layer -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantLayer:
+    """One quantized Linear (or embedding) of a file: its format, the file key of each role, options, and its
+    logical `[out, in]` shape."""
+
+    name: str
+    fmt: str
+    keys: dict
+    options: dict
+    shape: tuple[int, int]
+
+
+def _int_option(description: dict, key: str, default: int, where: str, layer: str) -> int:
+    params = description.get("params") if isinstance(description.get("params"), dict) else {}
+    value = description.get(key, params.get(key, default))
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 20:
+        raise CheckpointError(f"{where}: {layer} has {key} = {value!r}; expected a positive integer. The file is "
+                              "damaged; download it again.")
+    return value
+
+
+def _option(description: dict, key: str, default):
+    params = description.get("params") if isinstance(description.get("params"), dict) else {}
+    return description.get(key, params.get(key, default))
+
+
+def _power_of_4(value: int) -> bool:
+    return value >= 4 and value & (value - 1) == 0 and (value.bit_length() - 1) % 2 == 0
+
+
+class _Checker:
+    """Checks of one layer, every message naming the file, the key, the format and what to do."""
+
+    def __init__(self, where: str, fmt: str, tensors: dict, keys: dict, instead: str):
+        self.where, self.fmt, self.tensors, self.keys, self.instead = where, fmt, tensors, keys, instead
+
+    def fail(self, problem: str):
+        raise CheckpointError(f"{self.where}: {problem}. The file is damaged or incomplete; download it again, or use "
+                              f"{self.instead}.")
+
+    def info(self, role: str) -> TensorInfo:
+        return self.tensors[self.keys[role]]
+
+    def expect(self, role: str, dtypes: tuple[str, ...], shapes: tuple[tuple[int, ...], ...], what: str) -> None:
+        info = self.info(role)
+        if info.dtype not in dtypes or tuple(info.shape) not in shapes:
+            self.fail(f"{self.keys[role]} is {info.dtype} {list(info.shape)}, but a {self.fmt} layer needs {what}")
+
+
+def _check_layer(layer: str, description: dict, keys: dict, tensors: dict, where: str, instead: str) -> QuantLayer:
+    fmt = description["format"]
+    spec = FORMATS[fmt]
+    check = _Checker(where, fmt, tensors, keys, instead)
+    for role in spec.required:
+        if role not in keys:
+            check.fail(f"the {fmt} layer {layer} has no {layer}.{role}")
+    extra = sorted(set(keys) - {"weight", *spec.required, *spec.optional})
+    if extra:
+        check.fail(f"{keys[extra[0]]} does not belong to a {fmt} layer")
+    weight = check.info("weight")
+    if weight.dtype not in spec.weight_dtypes or len(weight.shape) != 2:
+        check.fail(f"{keys['weight']} is {weight.dtype} {list(weight.shape)}, but a {fmt} weight is a 2-D "
+                   f"{' or '.join(spec.weight_dtypes)} tensor")
+    rows, cols = weight.shape
+    inputs = 2 * cols if spec.packed else cols
+    options = {"full_precision": bool(_option(description, "full_precision_matrix_mult", False))}
+    one = ((), (1,))
+    if fmt == "int8_tensorwise":
+        check.expect("weight_scale", FLOATS, (*one, (rows, 1), (rows,)),
+                     f"one fp32 scale for the tensor or one per row ({rows})")
+        options["convrot"] = bool(_option(description, "convrot", False))
+        options["convrot_groupsize"] = _int_option(description, "convrot_groupsize", 256, where, layer)
+        if options["convrot"] and (not _power_of_4(options["convrot_groupsize"])
+                                   or inputs % options["convrot_groupsize"]):
+            check.fail(f"{layer} has convrot_groupsize {options['convrot_groupsize']}, which must be a power of 4 "
+                       f"dividing its {inputs} inputs")
+    elif fmt in FP8_DTYPES:
+        check.expect("weight_scale", FLOATS, one, "one fp32 scale for the whole tensor")
+        if "input_scale" in keys:
+            check.expect("input_scale", FLOATS, one, "one fp32 input scale")
+    elif fmt == "asym_w4a8_int8":
+        group = options["group_size"] = _int_option(description, "group_size", 16, where, layer)
+        rotation = options["convrot_groupsize"] = _int_option(description, "convrot_groupsize", 256, where, layer)
+        if group < 4 or (16 % group and group % 16) or inputs % 16 or inputs % group or not _power_of_4(rotation) \
+                or inputs % rotation:
+            check.fail(f"{layer} ({inputs} inputs) has group_size {group} and convrot_groupsize {rotation}; W4A8 needs "
+                       "inputs divisible by 16, by the group size (4 or more, dividing 16 or a multiple of 16) and by "
+                       "the rotation size (a power of 4)")
+        groups = inputs // group
+        check.expect("weight_s_rel", ("F8_E4M3", "U8", "F32"), ((rows, groups),),
+                     f"fp8 or fp32 group scales of shape [{rows}, {groups}]")
+        check.expect("weight_s_channel", ("F32",), ((rows,),), f"fp32 channel scales of shape [{rows}]")
+        if "weight_codebook" in keys:
+            check.expect("weight_codebook", ("F32",), ((16,),), "a 16-level fp32 codebook")
+        if "weight_correction" in keys:
+            check.expect("weight_correction", FLOATS, ((groups, rows),), f"corrections of shape [{groups}, {rows}]")
+    elif fmt == "convrot_w4a4":
+        check.expect("weight_scale", FLOATS, ((rows,), (rows, 1)), f"one scale per row ({rows})")
+        rotation = options["convrot_groupsize"] = _int_option(description, "convrot_groupsize", 256, where, layer)
+        options["quant_group_size"] = _int_option(description, "quant_group_size", 64, where, layer)
+        options["linear_dtype"] = _option(description, "linear_dtype", "int4")
+        if options["quant_group_size"] != 64 or options["linear_dtype"] not in ("int4", "int8") \
+                or not _power_of_4(rotation) or inputs % rotation or inputs % 64:
+            check.fail(f"{layer} ({inputs} inputs) has convrot_groupsize {rotation}, quant_group_size "
+                       f"{options['quant_group_size']} and linear_dtype {options['linear_dtype']!r}; ConvRot W4A4 "
+                       "needs groups of 64, int4 or int8, and a power-of-4 rotation dividing the inputs")
+    return QuantLayer(layer, fmt, dict(keys), options, (rows, inputs))
+
+
+# -- the plan -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantPlan:
+    """The quantized layers of one checkpoint, checked; `layers` is keyed by the weight's file key."""
+
+    where: str
+    layers: dict
+    consumed: frozenset  # scale, description and marker keys: not weights of the model
+    markers: frozenset  # of those, the keys that are no model data (JSON descriptions, the scaled_fp8 marker)
+    float_dtype: str  # the stored dtype of the file's unquantized weights (the "default" compute dtype)
+
+    @property
+    def formats(self) -> list[str]:
+        return sorted({layer.fmt for layer in self.layers.values()})
+
+    def logical(self, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+        """`tensors` as the model sees them: scales and descriptions dropped, each quantized weight with its
+        logical `[out, in]` shape and the file's float dtype (what the shape checks and config inference read)."""
+        out = {}
+        for key, info in tensors.items():
+            if key in self.consumed:
+                continue
+            layer = self.layers.get(key)
+            out[key] = info if layer is None else TensorInfo(self.float_dtype, layer.shape, info.file)
+        return out
+
+    def covers(self, keys) -> bool:
+        return any(key in self.layers for key in keys)
+
+    def check_targets(self, model: nn.Module, plan: dict, allow_embedding: str | None = None) -> None:
+        """Refuse, before any weight is read, a quantized tensor that is not a Linear weight of `model` (`plan`:
+        our parameter name -> file keys). `allow_embedding` names the one token table that may be quantized."""
+        for name, keys in plan.items():
+            keys = [keys] if isinstance(keys, str) else keys
+            hits = [key for key in keys if key in self.layers]
+            if not hits:
+                continue
+            path, _, attr = name.rpartition(".")
+            module = model.get_submodule(path) if path else model
+            if attr != "weight":
+                raise CheckpointError(f"{self.where}: {hits[0]} is quantized ({self.layers[hits[0]].fmt}) but is "
+                                      "not a Linear weight; this pack cannot run that file. Use the bf16 release.")
+            if isinstance(module, (Linear, nn.Linear)):
+                continue
+            if path == allow_embedding and isinstance(module, nn.Embedding) \
+                    and self.layers[hits[0]].fmt in ("int8_tensorwise", *FP8_DTYPES):
+                continue
+            raise CheckpointError(f"{self.where}: {hits[0]} is quantized as {self.layers[hits[0]].fmt}, which this "
+                                  f"pack runs only for Linear layers (and int8/fp8 token tables); {path} is a "
+                                  f"{type(module).__name__}. Use the bf16 release.")
+
+    def fill_linear(self, model: nn.Module, name: str, keys, read: Callable, compute: torch.dtype, device,
+                    bias_key: str | None = None) -> bool:
+        """Replace the (meta) module owning parameter `name` with a `QuantLinear` (or `QuantEmbedding`) read from
+        the file keys `keys` (rows in order); False when none of them is quantized. `read(key)` returns the stored
+        tensor (a view of the file): each is copied once, in its own dtype, onto `device`."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        if not self.covers(keys):
+            return False
+        path = name.rpartition(".")[0]
+        old = model.get_submodule(path)
+        if isinstance(old, nn.Embedding):
+            new = QuantEmbedding(old.num_embeddings, old.embedding_dim, compute, old.padding_idx, device)
+            layer = self.layers[keys[0]]
+            new.add_segment(layer.fmt, _read_roles(layer, read, device), layer.options)
+        else:
+            out_features, in_features = old.weight.shape
+            new = QuantLinear(in_features, out_features, compute)
+            for key in keys:
+                layer = self.layers.get(key)
+                if layer is None:
+                    new.add_segment("float", {"weight": read(key).to(device=device, dtype=compute, copy=True)}, {})
+                else:
+                    new.add_segment(layer.fmt, _read_roles(layer, read, device), layer.options)
+            if new.segments[-1].end != out_features:
+                raise CheckpointError(f"{self.where}: {keys[0]} gives {new.segments[-1].end} rows, {path} needs "
+                                      f"{out_features}.")
+            if bias_key is not None:
+                new.bias = nn.Parameter(read(bias_key).to(device=device, dtype=compute, copy=True),
+                                        requires_grad=False)
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        return True
+
+
+def _read_roles(layer: QuantLayer, read: Callable, device) -> dict[str, torch.Tensor]:
+    """Every tensor of a quantized layer in memory of its own on `device`, in its stored dtype (uint8 W4A8 group
+    scales seen as the fp8 bytes they are)."""
+    out = {}
+    for role, key in layer.keys.items():
+        tensor = read(key).to(device=device, copy=True)
+        if role == "weight_s_rel" and tensor.dtype == torch.uint8:
+            tensor = tensor.view(torch.float8_e4m3fn)
+        out[role] = tensor
+    return out
+
+
+def _hardware() -> str:
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    return f"this machine's GPU ({torch.cuda.get_device_name()}) has compute capability {major}.{minor}"
+
+
+def _check_runnable(formats: dict[str, str], where: str, instead: str) -> None:
+    """Refuse formats this machine or comfy-kitchen cannot run (`formats`: format -> an example layer)."""
+    for fmt, layer in formats.items():
+        if fmt in BLACKWELL_FORMATS:
+            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+            why = ("this pack does not run it yet" if capability is not None and capability >= (10, 0)
+                   else _hardware())
+            raise CheckpointError(
+                f"{where} is quantized as {fmt} (e.g. {layer}): {fmt} needs an NVIDIA Blackwell GPU (compute "
+                f"capability 10.0 or newer) and its tensor-core kernels, and {why}. Use {instead} instead."
+            )
+        if fmt not in FORMATS:
+            raise CheckpointError(
+                f"{where}: {layer} is quantized as {fmt!r}, a format this pack does not know (it runs "
+                f"{', '.join(FORMATS)}). Use {instead} instead."
+            )
+    ck = kitchen(f"{where} is a quantized checkpoint ({', '.join(sorted(formats))}); its layers")
+    for fmt, layer in formats.items():
+        try:
+            ck.registry.get_capable_backend(FORMATS[fmt].kernel)
+        except Exception as error:  # comfy-kitchen's NoCapableBackendError lists what each backend lacks
+            needs = (" It needs a CUDA GPU of compute capability 7.5 or newer with comfy-kitchen's CUDA kernels."
+                     if fmt == "convrot_w4a4" else "")
+            raise CheckpointError(
+                f"{where} is quantized as {fmt} (e.g. {layer}), and no comfy-kitchen backend available here runs "
+                f"it ({error}).{needs} Use {instead} instead."
+            ) from None
+
+
+def plan_quantization(tensors: dict[str, TensorInfo], metadata: dict, read: Callable, where: str, instead: str,
+                      rename: Callable[[str], str] = lambda name: name,
+                      used: Callable[[str], bool] = lambda key: True) -> QuantPlan:
+    """Every quantized layer of a checkpoint, checked from its headers before any weight is read.
+
+    Args:
+        tensors: the headers, by the loader's keys (a DiT's without `model.diffusion_model.`).
+        metadata: the header metadata (`_quantization_metadata` may be there).
+        read: key -> tensor, used only for the small `comfy_quant` JSON tensors.
+        where: the file's name, for messages.
+        instead: the files to suggest when this one cannot run ("qwen_image_2.1_bf16.safetensors").
+        rename: metadata layer name -> the loader's key namespace.
+        used: whether a weight key is loaded at all (a text encoder's LM head is not: its layer is accepted
+            unchecked, and its keys are consumed).
+    Raises:
+        CheckpointError naming the file, the key and the format for anything wrong or not runnable here;
+        ImportError (how to install it) when comfy-kitchen is missing.
+    """
+    descriptions = _descriptions(tensors, metadata, read, where, rename)
+    roles: dict[str, dict[str, str]] = {}
+    consumed, markers = set(), set()
+    for key in tensors:
+        if key.endswith("." + DESCRIPTION) or _is_marker(key):
+            consumed.add(key)
+            markers.add(key)
+            continue
+        found = _role_of(key)
+        if found is None:
+            continue
+        layer, role = found
+        if role in roles.setdefault(layer, {}):
+            raise CheckpointError(f"{where}: both {roles[layer][role]} and {key} give {layer}'s {role}; the file is "
+                                  "damaged. Download it again.")
+        roles[layer][role] = key
+        consumed.add(key)
+    orphans = sorted(set(roles) - set(descriptions))
+    if orphans:
+        key = next(iter(roles[orphans[0]].values()))
+        raise CheckpointError(
+            f"{where}: {key} is a quantization scale, but the file describes no quantization for {orphans[0]} (no "
+            f"{orphans[0]}.comfy_quant, no _quantization_metadata, no scaled_fp8 marker): this is not a complete "
+            f"quantized checkpoint. Download it again, or use {instead}."
+        )
+    layers, formats = {}, {}
+    for layer, description in sorted(descriptions.items()):
+        weight_key = layer + ".weight"
+        if weight_key not in tensors:
+            raise CheckpointError(f"{where}: the file describes a quantized layer {layer} but has no {weight_key}. "
+                                  f"Download it again, or use {instead}.")
+        if not used(weight_key):
+            consumed.add(weight_key)
+            continue
+        fmt = description["format"]
+        formats.setdefault(fmt, layer)
+        if fmt in FORMATS:
+            keys = {"weight": weight_key, **roles.get(layer, {})}
+            layers[weight_key] = _check_layer(layer, description, keys, tensors, where, instead)
+    _check_runnable(formats, where, instead)
+    plain = [info.dtype for key, info in tensors.items()
+             if key not in consumed and key not in layers and info.dtype in FLOATS]
+    float_dtype = max(set(plain), key=plain.count) if plain else "BF16"
+    return QuantPlan(where, layers, frozenset(consumed), frozenset(markers), float_dtype)
+
+
+# -- running a segment ------------------------------------------------------------------------------------------
+def _dequantize(fmt: str, t: dict, options: dict, dtype: torch.dtype) -> torch.Tensor:
+    """The rows in `t` (each role already cut to them) as a dense `dtype` weight, by comfy-kitchen's own code."""
+    if fmt == "float":
+        weight = t["weight"]
+        return weight if weight.dtype == dtype else weight.to(dtype)
+    ck = kitchen()
+    rows = tuple(t["weight"].shape)
+    if fmt == "int8_tensorwise":
+        from comfy_kitchen.tensor import TensorWiseINT8Layout
+
+        params = TensorWiseINT8Layout.Params(scale=t["weight_scale"], orig_dtype=dtype, orig_shape=rows,
+                                             convrot=options["convrot"],
+                                             convrot_groupsize=options["convrot_groupsize"])
+        return TensorWiseINT8Layout.dequantize(t["weight"], params)
+    if fmt in FP8_DTYPES:
+        return ck.dequantize_per_tensor_fp8(t["weight"], t["weight_scale"].reshape(()), dtype)
+    if fmt == "asym_w4a8_int8":
+        return ck.dequantize_w4a8_int8_weight(
+            t["weight"], t["weight_s_rel"], t["weight_s_channel"], codebook=t.get("weight_codebook"),
+            correction=t.get("weight_correction"), group_size=options["group_size"],
+            convrot_groupsize=options["convrot_groupsize"], output_dtype=dtype)
+    if fmt == "convrot_w4a4":
+        return ck.dequantize_convrot_w4a4_weight(t["weight"], t["weight_scale"].reshape(-1),
+                                                 options["convrot_groupsize"], options["quant_group_size"], dtype)
+    raise ValueError(f"unknown quantized format {fmt!r}")
+
+
+def _project(fmt: str, x: torch.Tensor, t: dict, options: dict) -> torch.Tensor:
+    """`x @ W.T` for the rows in `t`, in `x`'s dtype, by the format's comfy-kitchen kernel."""
+    if fmt == "float" or options.get("full_precision") or fmt in FP8_DTYPES:
+        return F.linear(x, _dequantize(fmt, t, options, x.dtype))
+    ck = kitchen()
+    if fmt == "int8_tensorwise":
+        return ck.int8_linear(x, t["weight"], t["weight_scale"], out_dtype=x.dtype, convrot=options["convrot"],
+                              convrot_groupsize=options["convrot_groupsize"])
+    if fmt == "asym_w4a8_int8":
+        correction = t.get("weight_correction")
+        return ck.w4a8_int8_linear(
+            x, t["weight"], t["weight_s_rel"], t["weight_s_channel"], codebook=t.get("weight_codebook"),
+            correction=None if correction is None else correction.contiguous(), group_size=options["group_size"],
+            convrot_groupsize=options["convrot_groupsize"], out_dtype=x.dtype)
+    if fmt == "convrot_w4a4":
+        out = ck.convrot_w4a4_linear(x, t["weight"], t["weight_scale"].reshape(-1),
+                                     convrot_groupsize=options["convrot_groupsize"],
+                                     quant_group_size=options["quant_group_size"],
+                                     linear_dtype=options["linear_dtype"])
+        return out.to(x.dtype)
+    raise ValueError(f"unknown quantized format {fmt!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class QSegment:
+    """Rows `[start, end)` of a layer: format `fmt` ("float" for rows the file keeps unquantized), the layer's
+    attribute holding each role's tensor, and the format's options."""
+
+    start: int
+    end: int
+    fmt: str
+    names: dict
+    options: dict
+
+
+class _Segmented(nn.Module):
+    """What `QuantLinear` and `QuantEmbedding` share: row segments, each tensor a parameter of the module in its
+    stored dtype (so `.to(device)` moves the quantized bytes and `parameters()` counts the file's payload)."""
+
+    segments: list
+
+    def add_segment(self, fmt: str, tensors: dict[str, torch.Tensor], options: dict,
+                    names: dict[str, str] | None = None) -> None:
+        """Append rows stored as `tensors` (role -> tensor, `weight` first); each becomes a parameter as it is."""
+        start = self.segments[-1].end if self.segments else 0
+        index = len(self.segments)
+        names = names or {role: f"{role}_{index}" for role in tensors}
+        for role, tensor in tensors.items():  # straight into _parameters: `weight` is also QuantLinear's fallback name
+            self._parameters[names[role]] = nn.Parameter(tensor, requires_grad=False)
+        self.segments.append(QSegment(start, start + tensors["weight"].shape[0], fmt, names, dict(options)))
+
+    def _tensors(self, seg: QSegment, first: int, last: int | None = None, index: torch.Tensor | None = None):
+        """The segment's tensors cut to its rows `[first, last)` (or gathered at `index`); whole-tensor scales as
+        they are."""
+        rows = seg.end - seg.start
+        out = {}
+        for role, name in seg.names.items():
+            tensor = getattr(self, name)
+            axis = ROW_AXIS.get(role)
+            if axis is not None and tensor.dim() > axis and tensor.shape[axis] == rows:
+                if index is not None:
+                    tensor = tensor.index_select(axis, index)
+                elif (first, last) != (0, rows):
+                    tensor = tensor.narrow(axis, first, last - first)
+            out[role] = tensor
+        return out
+
+    def _pieces(self, start: int, end: int):
+        for seg in self.segments:
+            lo, hi = max(start, seg.start), min(end, seg.end)
+            if lo < hi:
+                yield seg, lo - seg.start, hi - seg.start
+
+    def extra_repr(self) -> str:
+        formats = ", ".join(dict.fromkeys(seg.fmt for seg in self.segments))
+        return f"{tuple(self._logical.shape)}, quantized={formats}"
+
+
+class QuantLinear(_Segmented, Linear):
+    """A `dit.Linear` whose weight stays in its file formats: one row segment per file tensor (quantized, with its
+    own scales, or float), run by comfy-kitchen's kernels segment by segment.
+
+    `project` (the frozen layer's output rows) is overridden; `rows`, `forward` and the LoRA `adapters` are
+    `Linear`'s. `weight_rows` gives dequantized rows for anything that needs a dense weight. Without a
+    parameter named `weight`, `weight` is a meta tensor of the logical shape and compute dtype (shapes and
+    `out_features` work, reading its values fails loudly). The DiT loader's own fp8 option names its single
+    segment's data `weight`, so there `weight` is the real fp8 parameter. `bias` is used by text-encoder layers.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        nn.Module.__init__(self)  # not Linear.__init__: there is no dense weight to allocate
+        self.in_features = in_features
+        self._logical = torch.empty(out_features, in_features, dtype=dtype, device="meta")
+        self.segments: list[QSegment] = []
+        self.adapters: tuple = ()  # Linear's: low-rank terms added to `rows`' output (LoRA)
+        self.bias = None
+
+    def __getattr__(self, name: str):
+        if name == "weight" and "_logical" in self.__dict__ and "weight" not in self.__dict__.get("_parameters", {}):
+            return self.__dict__["_logical"]
+        return super().__getattr__(name)
+
+    def project(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        pieces = [_project(seg.fmt, x, self._tensors(seg, first, last), seg.options)
+                  for seg, first, last in self._pieces(start, end)]
+        if not pieces:
+            out = x.new_empty(*x.shape[:-1], 0)
+        else:
+            out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        if self.bias is not None:
+            out = out + self.bias[start:end].to(out.dtype)
+        return out
+
+    def weight_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        pieces = [_dequantize(seg.fmt, self._tensors(seg, first, last), seg.options, dtype)
+                  for seg, first, last in self._pieces(start, end)]
+        if not pieces:
+            device = getattr(self, self.segments[0].names["weight"]).device
+            return torch.empty(0, self.in_features, dtype=dtype, device=device)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    @classmethod
+    def from_fp8(cls, weight: torch.Tensor, compute: torch.dtype) -> "QuantLinear":
+        """The DiT loader's `weight_dtype = fp8_e4m3fn` on a float file: `weight` already rounded to fp8 with scale
+        1 (the plain cast), run through the same fp8 path as an fp8 file's layers."""
+        layer = cls(weight.shape[1], weight.shape[0], compute)
+        scale = torch.ones((), dtype=torch.float32, device=weight.device)
+        layer.add_segment("float8_e4m3fn", {"weight": weight, "weight_scale": scale}, {"full_precision": False},
+                          names={"weight": "weight", "weight_scale": "weight_scale"})
+        return layer
+
+
+class QuantEmbedding(_Segmented):
+    """A token table stored in int8 (`int8_tensorwise`, ConvRot or not) or fp8: the ids' rows are gathered first and
+    only those are dequantized (comfy-kitchen's `dequantize_embedding` for int8, which also un-rotates them).
+
+    `weight` is a zero-strided view of one compute-dtype value on the table's device: its `device`, `dtype` and
+    `shape` are right for code that asks (`text_encoder.py` reads device and dtype); it holds no table values.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, padding_idx=None, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self._logical = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")
+        self.register_buffer("_probe", torch.zeros((), dtype=dtype, device=device), persistent=False)
+        self.segments: list[QSegment] = []
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._probe.expand(self.num_embeddings, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        seg = self.segments[0]
+        t = self._tensors(seg, 0, seg.end)
+        dtype = self._logical.dtype
+        if seg.fmt == "int8_tensorwise":
+            kitchen()
+            from comfy_kitchen.tensor import TensorWiseINT8Layout
+
+            params = TensorWiseINT8Layout.Params(scale=t["weight_scale"], orig_dtype=dtype,
+                                                 orig_shape=tuple(t["weight"].shape), convrot=seg.options["convrot"],
+                                                 convrot_groupsize=seg.options["convrot_groupsize"])
+            return TensorWiseINT8Layout.dequantize_embedding(t["weight"], params, ids)
+        flat = ids.reshape(-1)
+        rows = _dequantize(seg.fmt, self._tensors(seg, 0, None, index=flat), seg.options, dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
