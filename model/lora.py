@@ -1,0 +1,440 @@
+"""LoRA for the Qwen-Image 2.1 DiT: the files people have, read in every common key format, run as exact
+low-rank branches on a copy of the model that shares every weight with the original.
+
+What a LoRA file holds, per targeted Linear `W` (out x in): a down matrix `A` (rank x in), an up matrix `B`
+(out x rank) and optionally a scalar `alpha`. The layer becomes `W x + strength * alpha / rank * B (A x)`
+(`alpha / rank` = 1 without alpha), computed as a branch in the compute dtype next to the frozen weight, so
+bf16, fp16, fp32, fp8 and quantized weights all take it without requantization or a weight copy
+(`Linear.adapters`, model/dit.py). Key formats, the scale rule and what is refused: docs/lora.md.
+
+Names: a file names diffusers' modules (`transformer_blocks.N.attn.to_q`, ...), in one of the formats of
+`FORMATS`; `_file_plan` (dit_loading.py) says which rows of which of our Linears each of them is, so separate
+`to_q`/`to_k`/`to_v` or `gate_layer`/`proj` LoRAs land on the right rows of our fused `qkv` and `gate_up`.
+
+`apply_lora(model, path, strength)` never changes `model`: it returns a copy whose module tree is new objects
+holding the same Parameters (no weight is copied), with one more branch in the affected Linears' `adapters`,
+`manager` None (the host's memory handle belongs to one model object) and `loras` recording what was applied
+(the sampler's report and the prefix-cache key read it).
+"""
+
+import copy
+import functools
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import FILE_DTYPES, FP8_FILE_DTYPES, CheckpointError, WeightReader, read_header
+from .dit import DiTConfig, Linear, QwenImage21DiT
+from .dit_loading import _file_plan
+
+
+class LoraError(CheckpointError):
+    """A LoRA file that cannot be applied to this model; the message names the file and what was expected."""
+
+
+@dataclass(frozen=True)
+class KeyFormat:
+    """One way of naming a module: a prefix, then the module path with dots (or with underscores, kohya)."""
+
+    name: str
+    prefix: str
+    dotted: bool
+
+
+#: The key formats we read, tried in this order (the bare form last: its empty prefix matches everything).
+FORMATS = (
+    KeyFormat("diffusers / PEFT", "transformer.", True),
+    KeyFormat("PEFT model", "base_model.model.", True),
+    KeyFormat("ComfyUI", "diffusion_model.", True),
+    KeyFormat("ComfyUI (checkpoint prefix)", "model.diffusion_model.", True),
+    KeyFormat("kohya / musubi", "lora_unet_", False),
+    KeyFormat("LyCORIS LoCon", "lycoris_", False),
+    KeyFormat("bare module names", "", True),
+)
+
+#: What follows the module path: the tensor's role in a plain low-rank pair (diffusers / PEFT, kohya, old
+#: diffusers attention processors, transformers' lora_linear_layer).
+PARTS = {
+    ".lora_A.weight": "down", ".lora_A.default.weight": "down", ".lora_A": "down", ".lora_down.weight": "down",
+    ".lora.down.weight": "down", ".lora_linear_layer.down.weight": "down",
+    ".lora_B.weight": "up", ".lora_B.default.weight": "up", ".lora_B": "up", ".lora_up.weight": "up",
+    ".lora.up.weight": "up", ".lora_linear_layer.up.weight": "up",
+    ".alpha": "alpha",
+}
+_PART_SUFFIXES = sorted(PARTS, key=len, reverse=True)  # longest first: ".lora_A.weight" before ".lora_A"
+
+#: Tensors that change what a pair means: applying the pair without them would be another LoRA, so a file with
+#: them on a layer we would patch is refused.
+REFUSED_PARTS = {
+    ".dora_scale": "DoRA (dora_scale)", ".lora_magnitude_vector": "DoRA (lora_magnitude_vector)",
+    ".lora_magnitude_vector.weight": "DoRA (lora_magnitude_vector)",
+    ".lora_magnitude_vector.default.weight": "DoRA (lora_magnitude_vector)",
+    ".lora_mid.weight": "LoCon with a Tucker core (lora_mid)", ".lora_B.bias": "a LoRA with a bias (lora_B.bias)",
+}
+#: Adapter kinds that are not plain low-rank: ignored (with a note) when the file also holds plain pairs.
+OTHER_ADAPTERS = (
+    (re.compile(r"\.hada_(w[12]_[ab]|t[12])$"), "LyCORIS LoHa (hada_*)"),
+    (re.compile(r"\.lokr_(w[12](_[ab])?|t2)$"), "LyCORIS LoKr (lokr_*)"),
+    (re.compile(r"\.(diff|diff_b|set_weight|w_norm|b_norm|bias|reshape_weight)$"), "full weight/bias patches"),
+)
+TEXT_ENCODER = re.compile(r"^(lora_te\d?_|text_encoders?[._]|te\d?[._])")
+
+#: LoRAs for other model families, recognised by module names the 2.1 DiT does not have (checked before
+#: anything else, since their attention keys can look like ours). First match wins: Flux's double blocks
+#: also have `add_q_proj`.
+FOREIGN = (
+    ("Flux", re.compile(r"(^|[._])(double_blocks|single_blocks|single_transformer_blocks|ff_context|"
+                        r"norm1_context|context_embedder|x_embedder)([._]|$)")),
+    ("Qwen-Image 1.x (double-stream blocks)", re.compile(r"(^|[._])(add_[qkv]_proj|to_add_out|txt_mlp|img_mod|"
+                                                         r"txt_mod|txt_norm)([._]|$)|img_mlp[._]net[._]")),
+    ("Stable Diffusion 1.x / SDXL (UNet)", re.compile(r"(^|[._])(input_blocks|output_blocks|middle_block|"
+                                                      r"down_blocks|up_blocks|mid_block)[._]")),
+)
+_FLOAT_DTYPES = {**FILE_DTYPES, **FP8_FILE_DTYPES, "F64": torch.float64}
+_ALPHA_INT_DTYPES = ("I64", "I32", "I16", "I8", "U8")  # some trainers store alpha as an integer
+TARGETS_HINT = ("Qwen-Image 2.1 LoRAs target transformer_blocks.N.attn.to_q/to_k/to_v/to_out.0 and "
+                "transformer_blocks.N.img_mlp.gate_layer/proj/out (or the fused img_mlp.gate_up)")
+
+
+# -- where each file module lands ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """Rows `[start, end)` of our Linear `linear` (which has `in_features` inputs)."""
+
+    linear: str
+    start: int
+    end: int
+    in_features: int
+
+
+@functools.lru_cache(maxsize=8)
+def lora_targets(config: DiTConfig) -> dict[str, Target]:
+    """File module name (diffusers' names, ComfyUI's fused `img_mlp.gate_up`, diffusers' fused `attn.to_qkv`) ->
+    the rows of our Linear it is."""
+    with torch.device("meta"):
+        meta = QwenImage21DiT(config)
+    targets = {}
+    for fused in (False, True):
+        for name, keys in _file_plan(config, fused).items():
+            path, _, attr = name.rpartition(".")
+            module = meta.get_submodule(path) if path else None
+            if attr != "weight" or not isinstance(module, Linear):
+                continue  # norms: no Linear, nothing a low-rank pair could patch
+            out_features, in_features = module.weight.shape
+            rows = out_features // len(keys)
+            for i, key in enumerate(keys):
+                targets[key.removesuffix(".weight")] = Target(path, i * rows, (i + 1) * rows, in_features)
+    for i in range(config.num_layers):
+        targets[f"transformer_blocks.{i}.attn.to_qkv"] = Target(f"blocks.{i}.qkv", 0, 3 * config.width, config.width)
+    return targets
+
+
+@functools.lru_cache(maxsize=8)
+def _underscored(config: DiTConfig) -> dict[str, str]:
+    """kohya's flattened names (`transformer_blocks_0_attn_to_q`) -> the dotted name; built from the dotted
+    names themselves, so no guessing which underscores were dots."""
+    names = {}
+    for dotted in lora_targets(config):
+        flat = dotted.replace(".", "_")
+        if flat in names:
+            raise RuntimeError(f"{dotted} and {names[flat]} flatten to the same kohya name")
+        names[flat] = dotted
+    return names
+
+
+# -- reading a file ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoraPair:
+    """One low-rank pair of a file, mapped onto our model: `scale * up @ down` is added to rows
+    `[target.start, target.end)` of `target.linear`; `scale` = alpha / rank (strength not included)."""
+
+    module: str  # the file's module name (diffusers naming), for messages
+    target: Target
+    down: torch.Tensor  # (rank, in_features), as stored (CPU)
+    up: torch.Tensor  # (rows, rank)
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    """A parsed LoRA: its pairs, the key formats it used, and what was ignored (kind -> count)."""
+
+    name: str
+    pairs: tuple[LoraPair, ...]
+    formats: tuple[str, ...]
+    ignored: tuple[tuple[str, int], ...]
+
+    def notes(self) -> list[str]:
+        if not self.ignored:
+            return []
+        total = sum(count for _, count in self.ignored)
+        kinds = ", ".join(f"{count} {kind}" for kind, count in self.ignored)
+        return [f"LoRA {self.name}: {total} of its keys were ignored ({kinds}); {len(self.pairs)} layer pair(s) "
+                "applied"]
+
+
+def _classify(key: str) -> tuple[str, str | None, str | None]:
+    """(module stem, role in a plain pair or None, adapter kind when not a plain pair or None)."""
+    for suffix in _PART_SUFFIXES:
+        if key.endswith(suffix):
+            return key[: -len(suffix)], PARTS[suffix], None
+    for suffix, kind in REFUSED_PARTS.items():
+        if key.endswith(suffix):
+            return key[: -len(suffix)], None, kind
+    for pattern, kind in OTHER_ADAPTERS:
+        match = pattern.search(key)
+        if match:
+            return key[: match.start()], None, kind
+    return key.rpartition(".")[0], None, None
+
+
+def _module_of(stem: str, config: DiTConfig) -> tuple[str, str] | None:
+    """(diffusers module name, format name) for a key stem in any of FORMATS, else None."""
+    targets, flat = lora_targets(config), _underscored(config)
+    for fmt in FORMATS:
+        if stem.startswith(fmt.prefix):
+            rest = stem[len(fmt.prefix):]
+            module = (rest if rest in targets else None) if fmt.dotted else flat.get(rest)
+            if module is not None:
+                return module, fmt.name
+    return None
+
+
+def _block_index(stem: str) -> int | None:
+    match = re.search(r"transformer_blocks[._](\d+)[._]", stem)
+    return int(match.group(1)) if match else None
+
+
+def _sample(keys, count: int = 5) -> str:
+    keys = sorted(keys)
+    more = f" (and {len(keys) - count} more)" if len(keys) > count else ""
+    return ", ".join(keys[:count]) + more
+
+
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """A Linear pair's matrix shape; LoCon writes them as 1x1 convolutions `[a, b, 1, 1]`."""
+    if len(shape) == 2:
+        return shape
+    if len(shape) == 4 and shape[2:] == (1, 1):
+        return shape[:2]
+    return None
+
+
+def formats_text() -> str:
+    """The key formats we read, for messages and docs."""
+    names = "; ".join(f"{f.name} ({f'{f.prefix!r}' if f.prefix else 'no prefix'}"
+                      f"{'' if f.dotted else ', module path with underscores'})" for f in FORMATS)
+    return (f"{names}; each layer as lora_A/lora_B (.weight or .default.weight) or lora_down/lora_up, with an "
+            "optional .alpha")
+
+
+def _check_family(keys, where: str) -> None:
+    for family, pattern in FOREIGN:
+        example = next((key for key in sorted(keys) if pattern.search(key)), None)
+        if example is not None:
+            raise LoraError(f"{where} is a LoRA for {family}, not for Qwen-Image 2.1 (e.g. key {example!r}). "
+                            f"{TARGETS_HINT}; pick a LoRA made for Qwen-Image 2.1.")
+
+
+def read_lora(path, config: DiTConfig, name: str | None = None) -> LoraFile:
+    """Read a LoRA file for a DiT of `config`: every key classified from the header first, every shape checked,
+    and only then the matched tensors read (into memory of their own, on the CPU). Raises LoraError naming the
+    file when it is for another model, matches nothing, or has a pair that does not fit its layer."""
+    path = Path(path)
+    where = name or path.name
+    headers, _ = read_header(path)  # refuses pickles, damaged and truncated files by name
+    _check_family(headers, where)
+
+    groups: dict[str, dict[str, str]] = {}  # module -> role -> file key
+    formats, ignored, unmatched, refused = [], {}, [], []
+
+    def ignore(kind: str) -> None:
+        ignored[kind] = ignored.get(kind, 0) + 1
+
+    for key in headers:
+        if TEXT_ENCODER.match(key):
+            ignore("text-encoder keys")
+            continue
+        stem, role, kind = _classify(key)
+        found = _module_of(stem, config)
+        if role is None:  # not a tensor of a plain pair
+            if found is not None and kind in REFUSED_PARTS.values():
+                refused.append(f"{key} is {kind}: not a plain low-rank pair, and the pair without it would be "
+                               "another LoRA")
+            elif found is not None and kind is not None:
+                ignore(kind)
+            else:
+                unmatched.append(key)
+            continue
+        if found is None:
+            block = _block_index(stem)
+            if block is not None and block >= config.num_layers:
+                refused.append(f"{key} targets transformer block {block}, but the model has {config.num_layers}")
+            else:
+                unmatched.append(key)
+            continue
+        module, fmt = found
+        if fmt not in formats:
+            formats.append(fmt)
+        roles = groups.setdefault(module, {})
+        if role in roles:
+            refused.append(f"{module} has two {role} tensors ({roles[role]!r} and {key!r}): mixed key layouts")
+            continue
+        roles[role] = key
+
+    targets = lora_targets(config)
+    plan = []
+    for module, roles in groups.items():
+        if "down" not in roles or "up" not in roles:
+            if set(roles) == {"alpha"}:
+                ignore("alphas without a pair")
+            else:
+                have = " and ".join(roles[r] for r in sorted(roles))
+                refused.append(f"{module}: only {have}; a LoRA layer needs both its down (lora_A) and up (lora_B)")
+            continue
+        target = targets[module]
+        down, up = (_matrix_shape(headers[roles[r]].shape) for r in ("down", "up"))
+        rows = target.end - target.start
+        if down is None or up is None or down[1] != target.in_features or up[0] != rows or up[1] != down[0]:
+            refused.append(f"{module}: down {list(headers[roles['down']].shape)} and up "
+                           f"{list(headers[roles['up']].shape)}, expected [rank, {target.in_features}] and "
+                           f"[{rows}, rank] with the same rank")
+            continue
+        for role in roles:
+            info = headers[roles[role]]
+            allowed = (*_FLOAT_DTYPES, *_ALPHA_INT_DTYPES) if role == "alpha" else _FLOAT_DTYPES
+            if info.dtype not in allowed or (role == "alpha" and math.prod(info.shape) != 1):
+                refused.append(f"{roles[role]} is {info.dtype} {list(info.shape)}, expected a "
+                               f"{'number' if role == 'alpha' else 'float matrix'}")
+        plan.append((module, target, roles))
+
+    if refused:
+        details = "; ".join(refused[:3]) + (f"; and {len(refused) - 3} more" if len(refused) > 3 else "")
+        raise LoraError(f"{where} does not fit this Qwen-Image 2.1 model ({config.num_layers} blocks, width "
+                        f"{config.width}, MLP {config.mlp_hidden}): {details}. Nothing was applied; use a LoRA made "
+                        "for this model.")
+    if unmatched:
+        ignored = {f"keys that name no Linear of the Qwen-Image 2.1 DiT (e.g. {_sample(unmatched, 2)})":
+                   len(unmatched), **ignored}
+    if not plan:
+        raise LoraError(f"{where}: none of its {len(headers)} keys is a LoRA layer of the Qwen-Image 2.1 DiT (e.g. "
+                        f"{_sample(headers)}). Formats read: {formats_text()}. {TARGETS_HINT}.")
+
+    pairs = []
+    with WeightReader(headers) as reader:
+        for module, target, roles in plan:
+            down, up = (_load_matrix(reader, headers, roles[r]) for r in ("down", "up"))
+            alpha = reader.read(roles["alpha"]).float().item() if "alpha" in roles else None
+            if alpha is not None and not math.isfinite(alpha):
+                raise LoraError(f"{where}: {roles['alpha']} is {alpha}; the file is damaged.")
+            scale = 1.0 if alpha is None else alpha / down.shape[0]
+            pairs.append(LoraPair(module, target, down, up, scale))
+    return LoraFile(where, tuple(pairs), tuple(formats), tuple(ignored.items()))
+
+
+def _load_matrix(reader: WeightReader, headers, key: str) -> torch.Tensor:
+    dtype = _FLOAT_DTYPES[headers[key].dtype]
+    keep = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+    tensor = reader.load(key, keep, "cpu")
+    return tensor.reshape(tensor.shape[:2])  # LoCon's [a, b, 1, 1] -> [a, b]
+
+
+# -- the branch ----------------------------------------------------------------------------------------------------
+class LowRankBranch:
+    """One LoRA on one Linear, as `Linear.adapters` calls it: `branch(x, start, end)` -> the `(..., end - start)`
+    term for those output rows, or None when none of its pairs touches them.
+
+    For each requested row range the pairs that overlap it are stacked once per (dtype, device): their downs as
+    one `(sum of ranks, in)` matrix, their ups (times strength * alpha / rank, folded in fp32) side by side in a
+    `(end - start, sum of ranks)` matrix with zeros where a pair has no rows, so the term is two skinny GEMMs in
+    the compute dtype. The stored pairs stay on the CPU; the stacked copy follows the model to its device.
+    """
+
+    def __init__(self, pairs, strength: float):
+        self.pairs = tuple(pairs)  # LoraPair, all on one Linear
+        self.strength = float(strength)
+        self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def _plan(self, start: int, end: int, dtype: torch.dtype, device: torch.device):
+        key = (start, end, dtype, device)
+        if key not in self._plans:
+            if any(k[3] != device for k in self._plans):
+                self._plans = {}  # the model moved: keep one device's copy only
+            hits = [p for p in self.pairs if p.target.start < end and start < p.target.end]
+            if not hits:
+                self._plans[key] = None
+            else:
+                down = torch.cat([p.down.to(device=device, dtype=torch.float32) for p in hits])
+                up = torch.zeros(end - start, down.shape[0], dtype=torch.float32, device=device)
+                col = 0
+                for p in hits:
+                    lo, hi = max(start, p.target.start), min(end, p.target.end)
+                    rows = p.up[lo - p.target.start : hi - p.target.start].to(device=device, dtype=torch.float32)
+                    up[lo - start : hi - start, col : col + p.rank] = rows * (self.strength * p.scale)
+                    col += p.rank
+                self._plans[key] = (down.to(dtype), up.to(dtype))
+        return self._plans[key]
+
+    def __call__(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
+        plan = self._plan(start, end, x.dtype, x.device)
+        if plan is None:
+            return None
+        down, up = plan
+        return F.linear(F.linear(x, down), up)
+
+
+# -- applying --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AppliedLora:
+    """What a model copy records per applied LoRA (the report's `loras`, the prefix-cache key, the notes)."""
+
+    name: str
+    strength: float
+    notes: tuple[str, ...] = ()
+
+
+def lora_set(model) -> tuple[tuple[str, float], ...]:
+    """(name, strength) of each LoRA applied to `model`, in order; () for a plain model."""
+    return tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
+
+
+def _clone_tree(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object for `module` and every submodule; parameters and buffers are the same objects (moving
+    either tree moves both), and every container (parameters, buffers, hooks, submodules) is the copy's own."""
+    new = copy.copy(module)
+    state = vars(new)
+    for attr, value in vars(module).items():
+        if isinstance(value, (dict, set, list)):
+            state[attr] = copy.copy(value)
+    state["_modules"] = type(module._modules)(
+        (name, None if child is None else _clone_tree(child)) for name, child in module._modules.items())
+    return new
+
+
+def apply_lora(model: QwenImage21DiT, path, strength: float = 1.0, name: str | None = None) -> QwenImage21DiT:
+    """`model` with the LoRA in `path` at `strength`, as a new model object sharing every weight with `model`
+    (which is never changed); chain calls to stack LoRAs. Everything is read and checked before the copy is made.
+    """
+    strength = float(strength)
+    if not math.isfinite(strength):
+        raise ValueError(f"LoRA strength must be a finite number, got {strength}.")
+    lora = read_lora(path, model.config, name)
+    by_linear: dict[str, list[LoraPair]] = {}
+    for pair in lora.pairs:
+        by_linear.setdefault(pair.target.linear, []).append(pair)
+    new = _clone_tree(model)
+    if strength != 0.0:  # strength 0 is the model itself: recorded, but no branch to run
+        for path_, pairs in by_linear.items():
+            linear = new.get_submodule(path_)
+            linear.adapters = (*linear.adapters, LowRankBranch(pairs, strength))
+    new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object
+    new.loras = (*getattr(model, "loras", ()), AppliedLora(lora.name, strength, tuple(lora.notes())))
+    return new
