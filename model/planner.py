@@ -1,0 +1,606 @@
+"""The memory planner: where each part of a run goes, chosen before anything moves.
+
+Given what the device and the host can give (`Budget`), the weights as they are stored (`LayeredWeights`: bytes
+per block and of everything else, counted from the real tensors, so fp8, int8 and GGUF weights count at their
+stored size), the run (`RunShape`: prefix tokens, target tokens, batch, CFG) and the decode size, it predicts the
+device peak of every phase and picks the fastest plan that fits:
+
+    text encode   the text encoder whole on the device, or its decoder layers streamed (`plan_encoder`)
+    prefill       the DiT weights resident, or streamed: k of N blocks resident, the other N - k in pinned host
+    cached steps  memory, copied to the device one block ahead on a side stream (`streaming.LayerStreamer`);
+                  the prefix cache on the device, or in pinned host memory streamed in per layer
+    decode        the VAE in one pass (what the reference does), tiled only when one pass would not fit
+
+"Fastest" is measured in bytes copied from the host per denoising step: streaming n >= 3 blocks copies n blocks
+per step (with n <= 2 both stay in the two device slots after the first step, so they cost nothing after it), a
+host-side cache copies its whole payload per cached step. Among plans that copy the same, the one with more
+blocks resident wins. Phases are sequential and the host (ComfyUI, or our own offloading) releases one phase's
+model before the next needs the room, so each phase must fit on its own.
+
+The DiT's run terms are `memory.estimate_run`'s (the same formula the sampler's refusal used before), plus what
+that estimate leaves to the planner: the weights on the device, the K/V concatenation of the target attention
+off the CPU, and a fixed allowance for cuBLAS workspaces and allocator rounding. A run that fits no plan gets a
+`PlanError` before any weight moves, naming the smallest memory that would run it and what to change.
+
+Nothing here touches a device: every number comes in through the arguments, so the tables in the README and the
+tests run on any machine (`benchmarks/plan_table.py`).
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from .dit import DiTConfig, QwenImage21DiT
+from .memory import GIB, estimate_run
+from .vae import QwenImage21VAEConfig, VAETiling
+
+MIB = 2**20
+#: Added to every device phase off the CPU: cuBLAS/cuDNN workspaces, the caching allocator's rounding.
+DEVICE_OVERHEAD = 256 * MIB
+#: Device slots a streamed model cycles its layers through (the one running, the one being copied in).
+STREAM_SLOTS = 2
+#: Byte alignment of each tensor inside a slot (views of any dtype start on an aligned address).
+SLOT_ALIGN = 512
+#: The decoder holds about 5 x its full-resolution width values per output pixel at its peak (its 2x -> 1x
+#: stage): 720 for the released 144 (VAETiling's measured figure); the encoder about 4 x its width per input pixel.
+DECODE_VALUES_PER_BASE_CHANNEL = 5
+ENCODE_VALUES_PER_BASE_CHANNEL = 4
+PLACEMENTS = ("auto", "resident", "stream")
+#: ComfyUI's VRAM modes as the bridge reports them: normal, low (--lowvram), no (--novram), high (--highvram).
+VRAM_MODES = ("normal", "low", "no", "high")
+
+
+class PlanError(MemoryError):
+    """No placement of this run fits the memory it has; raised before any weight moves."""
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB"
+
+
+# -- what the weights take -------------------------------------------------------------------------------------------
+def tensor_bytes(tensors) -> int:
+    """Stored bytes of `tensors` (parameters and buffers; meta tensors and repeats of one tensor count nothing)."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is None or tensor.is_meta or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def module_tensors(module: nn.Module):
+    """Every parameter and buffer of `module` and its submodules (each once)."""
+    return [*module.parameters(), *module.buffers()]
+
+
+def slot_layout(tensors) -> tuple[list[int], int]:
+    """Offsets of `tensors` packed into one byte buffer (each aligned to `SLOT_ALIGN`), and the buffer's size."""
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(end)
+        end += -(-tensor.numel() * tensor.element_size() // SLOT_ALIGN) * SLOT_ALIGN
+    return offsets, end
+
+
+@dataclass(frozen=True)
+class LayeredWeights:
+    """Stored bytes of a model that runs a list of layers one after another: each layer's (what can be streamed,
+    as the slot it would need) and everything else (always resident)."""
+
+    layers: tuple[int, ...]
+    other: int
+    label: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.other + sum(self.layers)
+
+    def streamed_bytes(self, streamed) -> int:
+        return sum(self.layers[i] for i in streamed)
+
+    def device_bytes(self, streamed) -> int:
+        """Weights on the device with `streamed` layers streamed: the rest, plus the slots they cycle through."""
+        streamed = tuple(streamed)
+        slots = sorted((self.layers[i] for i in streamed), reverse=True)[:STREAM_SLOTS]
+        return self.total - self.streamed_bytes(streamed) + sum(slots) if streamed else self.total
+
+
+def layered_weights(root: nn.Module, layers, label: str = "") -> LayeredWeights:
+    """`LayeredWeights` of a built model, from its real tensors (a layer counts as the slot it would need)."""
+    per_layer = tuple(slot_layout(_unique(module_tensors(layer)))[1] for layer in layers)
+    inside = {id(t) for layer in layers for t in module_tensors(layer)}
+    other = tensor_bytes(t for t in module_tensors(root) if id(t) not in inside)
+    return LayeredWeights(per_layer, other, label)
+
+
+def _unique(tensors) -> list:
+    seen, out = set(), []
+    for tensor in tensors:
+        if not tensor.is_meta and id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append(tensor)
+    return out
+
+
+def weight_format(model: nn.Module) -> str:
+    """A short name of how the DiT's block weights are stored: bf16, fp8, int8, gguf Q4_K, ..."""
+    block = model.blocks[0]
+    segments = getattr(block.qkv, "segments", None) or ()
+    kinds = [getattr(seg, "qtype", None) or getattr(seg, "fmt", None) for seg in segments]
+    if any(kinds):  # GGUF (qtype) or ComfyUI's quantized files (fmt)
+        prefix = "gguf " if hasattr(segments[0], "qtype") else ""
+        names = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8 e5m2", "int8_tensorwise": "int8"}
+        return prefix + "/".join(dict.fromkeys(names.get(k, k) for k in kinds if k))
+    dtype = next((t.dtype for t in module_tensors(block.qkv)), torch.float32)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8",
+            torch.int8: "int8"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def dit_weights(model: QwenImage21DiT) -> LayeredWeights:
+    return layered_weights(model, model.blocks, weight_format(model))
+
+
+#: Bytes per element of a block's linear weights in the formats the tables compare; int8 adds one fp32 scale per
+#: output row (per-channel), fp8 none (a per-tensor scale).
+LINEAR_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+
+def synthetic_dit_weights(config: DiTConfig | None = None, fmt: str = "bf16") -> LayeredWeights:
+    """`LayeredWeights` of a DiT of `config` stored as `fmt` (block linears in `fmt`, the rest in bf16; fp32 keeps
+    everything in fp32), computed on the meta device: for the tables and tests, no weights needed."""
+    if fmt not in LINEAR_ITEMSIZE:
+        raise ValueError(f"fmt must be one of {tuple(LINEAR_ITEMSIZE)}, got {fmt!r}.")
+    with torch.device("meta"):
+        model = QwenImage21DiT(config or DiTConfig(), dtype=torch.bfloat16)
+    other_size = 4 if fmt == "fp32" else 2
+    layers = []
+    for block in model.blocks:
+        size = 0
+        for name, param in block.named_parameters():
+            if name.endswith(".weight") and param.ndim == 2:
+                size += param.numel() * LINEAR_ITEMSIZE[fmt] + (param.shape[0] * 4 if fmt == "int8" else 0)
+            else:
+                size += param.numel() * other_size
+        layers.append(size)
+    inside = {id(p) for block in model.blocks for p in block.parameters()}
+    other = sum(p.numel() * other_size for p in model.parameters() if id(p) not in inside)
+    return LayeredWeights(tuple(layers), other, fmt)
+
+
+# -- the text encoder ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EncoderDims:
+    """The shapes of a Qwen3-VL text encoder that its memory depends on (defaults: the released 8B)."""
+
+    hidden: int = 4096
+    intermediate: int = 12288
+    layers: int = 36
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    vocab: int = 151936
+    vision_hidden: int = 1152
+    vision_intermediate: int = 4304
+    vision_depth: int = 27
+    deepstack: int = 3  # mergers besides the main one, each feeding one early decoder layer
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "EncoderDims":
+        """The dims of a transformers Qwen3-VL model (`text_encoder.model`)."""
+        text, vision = model.config.text_config, model.config.vision_config
+        return cls(text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.num_attention_heads,
+                   text.num_key_value_heads, getattr(text, "head_dim", text.hidden_size // text.num_attention_heads),
+                   text.vocab_size, vision.hidden_size, vision.intermediate_size, vision.depth,
+                   len(getattr(vision, "deepstack_visual_indexes", ()) or ()))
+
+
+def synthetic_encoder_weights(dims: EncoderDims | None = None, itemsize: int = 2) -> LayeredWeights:
+    """`LayeredWeights` of a Qwen3-VL of `dims` (decoder layers streamable; embeddings and vision tower not)."""
+    dims = dims or EncoderDims()
+    h, kv = dims.hidden, dims.kv_heads * dims.head_dim
+    attn = h * dims.heads * dims.head_dim * 2 + h * kv * 2 + 2 * dims.head_dim
+    layer = (attn + 3 * h * dims.intermediate + 2 * h) * itemsize
+    v = dims.vision_hidden
+    vision_block = 3 * v * v + v * v + 2 * v * dims.vision_intermediate + 4 * v
+    merged = 4 * v  # 2x2 patches merged
+    mergers = (1 + dims.deepstack) * (merged * merged + merged * h)
+    vision = dims.vision_depth * vision_block + mergers + 3 * 2 * 16 * 16 * v + 48 * 48 * v
+    other = (dims.vocab * h + h + vision) * itemsize
+    return LayeredWeights((layer,) * dims.layers, other, f"{8 * itemsize}-bit")
+
+
+def encode_transient(dims: EncoderDims, tokens: int, patches: int, itemsize: int) -> int:
+    """Activations of one encoding: the decoder over `tokens` (residual, norm, q/k/v/o, the SwiGLU halves), the
+    vision tower over `patches` 16x16 patches, the deepstack features waiting for their layers, fp32 outputs."""
+    lm = tokens * (6 * dims.hidden + 3 * dims.intermediate) * itemsize
+    vision = patches * (6 * dims.vision_hidden + 2 * dims.vision_intermediate) * itemsize
+    deepstack = dims.deepstack * (patches // 4) * dims.hidden * itemsize
+    return max(lm, vision) + deepstack + tokens * dims.hidden * 4
+
+
+# -- the VAE ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VAEShape:
+    """The VAE as the planner sees it: stored bytes, config (widths, tiling) and compute itemsize."""
+
+    weight_bytes: int
+    config: QwenImage21VAEConfig = QwenImage21VAEConfig()
+    itemsize: int = 2
+    tiling: VAETiling = VAETiling()
+
+    @classmethod
+    def of(cls, vae: nn.Module, tiling: VAETiling | None = None) -> "VAEShape":
+        return cls(tensor_bytes(module_tensors(vae)), vae.config, vae.dtype.itemsize, tiling or VAETiling())
+
+    @classmethod
+    def released(cls, itemsize: int = 2) -> "VAEShape":
+        """The released VAE (its parameters counted on the meta device) in a `itemsize`-byte dtype."""
+        from .vae import QwenImage21VAE
+
+        with torch.device("meta"):
+            vae = QwenImage21VAE()
+        return cls(sum(p.numel() for p in vae.parameters()) * itemsize, vae.config, itemsize)
+
+
+def decode_transient(vae: VAEShape, batch: int, grid: tuple[int, int], tiled: bool) -> int:
+    """Device bytes a decode adds to the VAE's weights: the decoder's peak activations (over the whole image, or
+    one tile), the fp32 blend accumulators of a tiled decode, the output and its fp32 copy."""
+    f = vae.config.spatial_compression
+    pixels = grid[0] * grid[1] * f * f
+    per_pixel = DECODE_VALUES_PER_BASE_CHANNEL * vae.config.decoder_base_dim * vae.itemsize
+    out = batch * vae.config.out_channels * pixels * (vae.itemsize + 4)
+    if not tiled:
+        return batch * pixels * per_pixel + out
+    tile = min(vae.tiling.tile, grid[0]) * min(vae.tiling.tile, grid[1]) * f * f
+    accumulators = batch * vae.config.out_channels * pixels * 4 + pixels * 4
+    return batch * tile * per_pixel + accumulators + out
+
+
+# -- budget and run --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Budget:
+    """What a run may use.
+
+    Attributes:
+        device: bytes on the compute device, its own weights included (what is free plus what the host would
+            evict for it, minus the reserve).
+        host: bytes of host memory for streamed weights and a host-side cache (None: unknown, not checked).
+        unified: the device is the host (a CPU): streaming would only copy memory to itself.
+        where: the device, for messages.
+        mode: ComfyUI's VRAM mode, one of `VRAM_MODES`.
+        reserve: bytes kept back for other programs (ComfyUI's --reserve-vram), already taken off `device`.
+        held: bytes of `device` the model being planned already holds (counted in `device`; messages say what is
+            free besides them).
+    """
+
+    device: int
+    host: int | None = None
+    unified: bool = False
+    where: str = "cuda"
+    mode: str = "normal"
+    reserve: int = 0
+    held: int = 0
+
+    def __post_init__(self):
+        if self.mode not in VRAM_MODES:
+            raise ValueError(f"mode must be one of {VRAM_MODES}, got {self.mode!r}.")
+
+    @classmethod
+    def gpu(cls, card_bytes: int, host_bytes: int | None = 64 * GIB, reserve: int = 400 * MIB,
+            context: int = 600 * MIB) -> "Budget":
+        """A whole GPU of `card_bytes` as the tables assume it: minus the CUDA context and ComfyUI's reserve."""
+        return cls(card_bytes - reserve - context, host_bytes, where=f"a {card_bytes / GIB:.0f} GiB GPU",
+                   reserve=reserve)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """One sampling run: what its memory depends on.
+
+    Attributes:
+        prefix_tokens: tokens of each distinct prompt's prefix (text + references; two with CFG).
+        grid: the target's latent grid (h, w): h * w target tokens.
+        batch: images per run.
+        cfg: true CFG (two passes per step, batched).
+        prefix_cache: whether the prefix is cached.
+        reference_tokens: latent tokens of each reference of the positive prompt (for the advice in errors).
+    """
+
+    prefix_tokens: tuple[int, ...]
+    grid: tuple[int, int]
+    batch: int = 1
+    cfg: bool = False
+    prefix_cache: bool = True
+    reference_tokens: tuple[int, ...] = ()
+
+    @property
+    def target_tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @classmethod
+    def released(cls, size: int = 1024, references: int = 0, text_tokens: int = 75, batch: int = 1,
+                 cfg: bool = False, reference_size: int = 1024) -> "RunShape":
+        """A `size` x `size` run with `references` references of `reference_size`^2 and a `text_tokens` prompt."""
+        ref = (reference_size // 16) ** 2
+        prefix = text_tokens + references * ref
+        return cls((prefix,) * (2 if cfg else 1), (size // 16, size // 16), batch, cfg,
+                   reference_tokens=(ref,) * references)
+
+
+# -- plans -----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Where a sampling run puts its parts, and the device peak predicted for each phase.
+
+    Attributes:
+        streamed: indices of the blocks that are streamed (empty: all resident).
+        blocks: N, the model's block count.
+        cache: "device", "host" (pinned host memory, streamed in per layer) or "off".
+        decode: "one-pass" or "tiled" (predicted for the released VAE when the run does not know its VAE).
+        phases: predicted device peak per phase, in bytes ("prefill", "cached" or "uncached", "decode").
+        budget: what the plan was made for.
+        store_budget: bytes the kept-cache store may hold beside this run (device, or host with a host cache).
+        copied_per_step: bytes copied from the host per step (0: nothing streamed after the first step).
+        host_bytes: host memory the plan pins (streamed blocks, a host-side cache).
+    """
+
+    streamed: tuple[int, ...]
+    blocks: int
+    cache: str
+    decode: str
+    phases: dict = field(default_factory=dict)
+    budget: Budget | None = None
+    store_budget: int = 0
+    copied_per_step: int = 0
+    host_bytes: int = 0
+
+    @property
+    def weights(self) -> str:
+        return "streamed" if self.streamed else "resident"
+
+    @property
+    def resident_blocks(self) -> int:
+        return self.blocks - len(self.streamed)
+
+    @property
+    def weights_label(self) -> str:
+        return f"streamed {self.resident_blocks}/{self.blocks}" if self.streamed else "resident"
+
+    @property
+    def sampling_peak(self) -> int:
+        return max(v for k, v in self.phases.items() if k != "decode")
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    def report(self) -> dict:
+        """The sampler report's `plan` entry."""
+        return {"weights": self.weights_label, "cache": self.cache, "decode": self.decode,
+                "predicted_peak_bytes": int(self.sampling_peak),
+                "phases": {k: int(v) for k, v in self.phases.items()}}
+
+    def describe(self) -> str:
+        phases = ", ".join(f"{k} {gib(v)}" for k, v in self.phases.items())
+        return f"weights {self.weights_label}, cache {self.cache}, decode {self.decode} ({phases})"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """A model run once per call with its layers resident or some streamed (the text encoder)."""
+
+    streamed: tuple[int, ...]
+    layers: int
+    peak: int
+
+    @property
+    def label(self) -> str:
+        return f"streamed {self.layers - len(self.streamed)}/{self.layers}" if self.streamed else "resident"
+
+
+def spread(count: int, total: int) -> tuple[int, ...]:
+    """`count` of `total` layer indices spread evenly (streamed layers between resident ones leave the copies time)."""
+    if count <= 0:
+        return ()
+    if count >= total:
+        return tuple(range(total))
+    return tuple(sorted({min(total - 1, int((i + 0.5) * total / count)) for i in range(count)}))
+
+
+def sampling_phases(weights: LayeredWeights, config: DiTConfig, run: RunShape, itemsize: int,
+                    streamed=(), cache: str = "device", unified: bool = False) -> dict[str, int]:
+    """Predicted device peak of each sampling phase with these placements (bytes)."""
+    prefix = list(run.prefix_tokens)
+    cached = cache != "off"
+    full = estimate_run(config, prefix, run.target_tokens, run.batch, run.cfg, itemsize, cached)
+    targets_only = estimate_run(config, [], run.target_tokens, run.batch, run.cfg, itemsize, False)
+    # off the CPU each sample's keys and values are [prefix | target] concatenated for the target attention
+    concat = 0 if unified else 2 * run.batch * (max(prefix, default=0) + run.target_tokens) * config.width * itemsize
+    base = weights.device_bytes(streamed) + full.latents + concat + (0 if unified else DEVICE_OVERHEAD)
+    if not cached:
+        return {"uncached": base + full.step}
+    per_layer = full.cache // config.num_layers
+    on_device = full.cache if cache == "device" else STREAM_SLOTS * per_layer
+    return {
+        "prefill": base + full.step + (full.cache if cache == "device" else 0),
+        "cached": base + targets_only.step + on_device,
+    }
+
+
+def _copied_per_step(weights: LayeredWeights, streamed, cache: str, cache_bytes: int) -> int:
+    moved = weights.streamed_bytes(streamed) if len(streamed) > STREAM_SLOTS else 0
+    return moved + (cache_bytes if cache == "host" else 0)
+
+
+def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: Budget, itemsize: int,
+             placement: str = "auto", vae: VAEShape | None = None) -> Plan:
+    """The fastest plan of a sampling run that fits `budget`; `PlanError` (naming the least memory that would
+    run it and what to change) when none does.
+
+    `placement`: "auto"; "resident" (all blocks on the device, or an error); "stream" (every block streamed).
+    Under ComfyUI's --lowvram ("low") auto always streams at least three blocks (fewer would sit in the two slots
+    and save nothing); under --novram ("no") it streams all and
+    keeps the cache in host memory. `vae` (default: the released one in the DiT's dtype) predicts the decode.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}.")
+    n = len(weights.layers)
+    vae = vae or VAEShape.released(itemsize)
+    cache_bytes = estimate_run(config, list(run.prefix_tokens), run.target_tokens, run.batch, run.cfg,
+                               itemsize).cache
+    if not run.prefix_cache:
+        caches = ("off",)
+    elif budget.unified:
+        caches = ("device",)
+    elif budget.mode == "no":
+        caches = ("host",)
+    else:
+        caches = ("device", "host")
+    if placement == "resident":
+        counts = [n]
+    elif placement == "stream" or budget.mode == "no":
+        counts = [0]
+    elif budget.unified:
+        counts = [n]
+    elif budget.mode == "low":  # stream enough blocks to save memory: up to two fit the slots and save nothing
+        counts = list(range(max(0, n - STREAM_SLOTS - 1), -1, -1))
+    else:
+        counts = list(range(n, -1, -1))
+
+    best = None
+    for cache in caches:
+        for resident in counts:  # most resident first: the first that fits is the fastest with this cache
+            streamed = spread(n - resident, n)
+            phases = sampling_phases(weights, config, run, itemsize, streamed, cache, budget.unified)
+            host = (0 if budget.unified else weights.streamed_bytes(streamed)) + (cache_bytes if cache == "host" else 0)
+            if max(phases.values()) > budget.device or (budget.host is not None and host > budget.host):
+                continue
+            key = (_copied_per_step(weights, streamed, cache, cache_bytes), len(streamed), cache != "device")
+            if best is None or key < best[0]:
+                best = (key, streamed, cache, phases, host)
+            break
+    if best is None:
+        raise PlanError(_no_plan_message(weights, config, run, budget, itemsize, placement, vae))
+    (copied, _, _), streamed, cache, phases, host = best
+    decode = plan_decode(vae, run.batch, run.grid, budget, must_fit=False)
+    phases = {**phases, "decode": decode.peak}
+    if cache == "host":
+        store_budget = max(0, (budget.host or 0) - host + cache_bytes) if budget.host is not None else cache_bytes
+    else:
+        sampling_peak = max(v for k, v in phases.items() if k != "decode")
+        store_budget = max(0, budget.device - sampling_peak + (cache_bytes if cache == "device" else 0))
+    return Plan(streamed, n, cache, decode.label, phases, budget, store_budget, copied, host)
+
+
+def least_memory(weights: LayeredWeights, config: DiTConfig, run: RunShape, itemsize: int, unified: bool = False,
+                 placement: str = "auto") -> int:
+    """The smallest device budget any plan of this run fits: every block streamed and the cache on the host (on a
+    CPU, or with `placement="resident"`, the weights stay whole)."""
+    streamed = () if unified or placement == "resident" else tuple(range(len(weights.layers)))
+    cache = "off" if not run.prefix_cache else ("device" if unified else "host")
+    return max(sampling_phases(weights, config, run, itemsize, streamed, cache, unified).values())
+
+
+def _no_plan_message(weights, config, run, budget, itemsize, placement, vae) -> str:
+    need = least_memory(weights, config, run, itemsize, budget.unified, placement)
+    est = estimate_run(config, list(run.prefix_tokens), run.target_tokens, run.batch, run.cfg, itemsize,
+                       run.prefix_cache)
+    if budget.unified:
+        lean = "weights resident"
+    elif placement == "resident":
+        lean = "weights resident (plan = resident)"
+    else:
+        lean = f"weights streamed 0/{len(weights.layers)}, prefix cache in host memory"
+    host_note = ""
+    if budget.host is not None and not budget.unified and need <= budget.device:
+        host_note = (f" It would fit the device, but streaming needs {gib(weights.total + est.cache)} of host "
+                     f"memory and {gib(budget.host)} is available.")
+    advice = []
+    for what, other_run, other_weights in _alternatives(run, weights, config):
+        other = least_memory(other_weights, config, other_run, itemsize, budget.unified, placement)
+        if other < 0.95 * need:  # only what makes a real difference
+            advice.append(f"{what}: {gib(other)}")
+    held = f"; {gib(budget.held)} of it is already there" if budget.held >= 0.05 * GIB else ""
+    return (
+        f"This run needs at least {gib(need)} on {budget.where} (the leanest plan: {lean}; {est.rows:,} rows per "
+        f"step: {gib(est.step)} for one step, {gib(est.cache)} of prefix cache, {gib(est.latents)} of latents, "
+        f"{gib(weights.total)} of {weights.label or 'DiT'} weights{held}), but only "
+        f"{gib(budget.device - budget.held)} is free on {budget.where}. Lower batch_size, width/height or the number "
+        f"of references, or load an int8 / GGUF file of the DiT" + (f" ({'; '.join(advice)})." if advice else ".")
+        + host_note
+    )
+
+
+def _alternatives(run: RunShape, weights: LayeredWeights, config: DiTConfig):
+    """Smaller versions of a run, each as (what changed, run, weights), for the advice in `PlanError`."""
+    out = []
+    if run.batch > 1:
+        out.append((f"batch_size {run.batch // 2}", replace(run, batch=run.batch // 2), weights))
+    h, w = run.grid
+    if h * w > 16 * 16:
+        half = (max(1, round(h / math.sqrt(2))), max(1, round(w / math.sqrt(2))))
+        out.append((f"{half[1] * 16}x{half[0] * 16}", replace(run, grid=half), weights))
+    if run.reference_tokens:
+        last = run.reference_tokens[-1]
+        fewer = replace(run, prefix_tokens=tuple(p - last for p in run.prefix_tokens),
+                        reference_tokens=run.reference_tokens[:-1])
+        out.append((f"{len(run.reference_tokens) - 1} references", fewer, weights))
+    if weights.label in ("bf16", "fp16", "fp32"):
+        out.append(("an int8 file", run, synthetic_dit_weights(config, "int8")))
+    return out
+
+
+# -- decode and encode -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodePlan:
+    tiled: bool
+    peak: int
+
+    @property
+    def label(self) -> str:
+        return "tiled" if self.tiled else "one-pass"
+
+
+def plan_decode(vae: VAEShape, batch: int, grid: tuple[int, int], budget: Budget, must_fit: bool = True) -> DecodePlan:
+    """One pass when it fits (what the reference does, exactly), tiled otherwise; `PlanError` when neither fits
+    (with `must_fit`; else the tiled plan is returned for the record)."""
+    overhead = 0 if budget.unified else DEVICE_OVERHEAD
+    one = vae.weight_bytes + decode_transient(vae, batch, grid, False) + overhead
+    if one <= budget.device:
+        return DecodePlan(False, one)
+    tiled = vae.weight_bytes + decode_transient(vae, batch, grid, True) + overhead
+    if tiled <= budget.device or not must_fit:
+        return DecodePlan(True, tiled)
+    f = vae.config.spatial_compression
+    raise PlanError(
+        f"Decoding {batch} image(s) of {grid[1] * f}x{grid[0] * f} needs at least {gib(tiled)} on {budget.where} "
+        f"(tiled: {gib(vae.weight_bytes)} of VAE weights, tiles of {vae.tiling.tile * f} px), but only "
+        f"{gib(budget.device)} is free on {budget.where}. Decode fewer images at once or a smaller size."
+    )
+
+
+def plan_layers(weights: LayeredWeights, transient: int, budget: Budget, placement: str = "auto",
+                what: str = "the text encoder") -> LayerPlan:
+    """A model run once per call (the text encoder): all layers resident when they fit beside `transient`, else
+    as many as fit (the rest streamed through two slots); `PlanError` when even full streaming does not fit."""
+    n = len(weights.layers)
+    overhead = 0 if budget.unified else DEVICE_OVERHEAD
+    counts = [n] if budget.unified or placement == "resident" else (
+        [0] if placement == "stream" or budget.mode == "no" else range(n, -1, -1))
+    for resident in counts:
+        streamed = spread(n - resident, n)
+        peak = weights.device_bytes(streamed) + transient + overhead
+        host = 0 if budget.unified else weights.streamed_bytes(streamed)
+        if peak <= budget.device and (budget.host is None or host <= budget.host):
+            return LayerPlan(streamed, n, peak)
+    least = weights.device_bytes(() if budget.unified else range(n)) + transient + overhead
+    raise PlanError(
+        f"Running {what} needs at least {gib(least)} on {budget.where} ({gib(weights.total)} of weights"
+        f"{'' if budget.unified else ', its layers streamed'}, {gib(transient)} of activations), but only "
+        f"{gib(budget.device)} is free on {budget.where}. Use a shorter prompt or fewer/smaller references, or "
+        "encode on the CPU (the text encoder loader's device = cpu)."
+    )
