@@ -19,7 +19,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PACKAGE = "qi21"  # the name tests/conftest.py registers the repository under; reused here when already loaded
 API_FOLDER = "api"
 
 #: Widget socket types: every other input is a link-only socket (ComfyUI's front end draws widgets for these).
@@ -28,11 +27,23 @@ WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
 SEED_CONTROL = "fixed"
 SEED = 42
 
-#: Model files as DESIGN.md section 2 names them (ComfyUI single-file layouts).
+#: The released model file names (ComfyUI single-file layouts).
 BASE_MODEL = "qwen_image_2.1_bf16.safetensors"
 TURBO_MODEL = "qwen_image_2.1_turbo_bf16.safetensors"
 TEXT_ENCODER = "qwen3vl_8b_bf16.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
+SPEED_LORA = "qwen_image_2.1_speed_lora.safetensors"  # an example name: the user picks their own speed LoRA
+#: Where the front end offers to download a missing file (`properties.models`, as core templates do): the
+#: official ComfyUI repackage, Comfy-Org/Qwen-Image-2.1 on Hugging Face, in Comfy-Org's `split_files/<folder>/`
+#: layout. Keyed by loader node type: (widget holding the file name, models folder).
+REPACKAGE_URL = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main/split_files"
+MODEL_WIDGETS = {"QI21ModelLoader": ("model_name", "diffusion_models"),
+                 "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"),
+                 "QI21VAELoader": ("vae_name", "vae")}
+RELEASED_FILES = frozenset({BASE_MODEL, TURBO_MODEL, TEXT_ENCODER, VAE_FILE})
+#: The official wording for transparent output (the model's documentation): the description goes in the middle.
+RGBA_PROMPT = ("This is an RGBA image with transparency. {}. The image has alpha channel and the background is "
+               "transparent.")
 
 
 @dataclass(frozen=True)
@@ -80,41 +91,52 @@ CORE_NODES = {spec.node_type: spec for spec in (
     NodeSpec("MarkdownNote", "Markdown Note", widgets=(Widget("text", "STRING", ""),), in_api=False,
              widget_sockets=False),
     NodeSpec("Note", "Note", widgets=(Widget("text", "STRING", ""),), in_api=False, widget_sockets=False),
+    NodeSpec("SetLatentNoiseMask", "Set Latent Noise Mask", sockets=(Port("samples", "LATENT"), Port("mask", "MASK")),
+             outputs=(Port("LATENT", "LATENT"),)),
+    NodeSpec("ManualSigmas", "ManualSigmas", widgets=(Widget("sigmas", "STRING", "1, 0.5"),),
+             outputs=(Port("SIGMAS", "SIGMAS"),)),
 )}
 
 
-def _option(schema_input, key):
-    """A widget option from ComfyUI's V3 input (attributes; a Combo's `options` is its list) or from our
-    stand-in (everything beyond id/default/optional sits in the `options` dict)."""
-    options = getattr(schema_input, "options", None)
-    if isinstance(options, dict):
-        return options.get(key)
-    return options if key == "options" else getattr(schema_input, key, None)
+def model_downloads(node: "Node") -> list[dict]:
+    """The front end's `properties.models` of a loader node: the file, its download URL and folder."""
+    if node.spec.node_type not in MODEL_WIDGETS:
+        return []
+    widget, folder = MODEL_WIDGETS[node.spec.node_type]
+    name = node.values[widget]
+    return [{"name": name, "url": f"{REPACKAGE_URL}/{folder}/{name}", "directory": folder}]
 
 
-def spec_from_schema(schema) -> NodeSpec:
-    """The serialised shape of one of our nodes, from its `define_schema()`."""
+def spec_from_schema(schema, option) -> NodeSpec:
+    """The serialised shape of one of our nodes, from its `define_schema()`; `option` reads a widget option (the
+    pack's `widget_option`, nodes/validation.py, which knows ComfyUI's V3 inputs and our stand-in)."""
     inputs = sorted(schema.inputs, key=lambda i: bool(i.optional))  # stable: required first, as input_order
     return NodeSpec(
         node_type=schema.node_id,
         display_name=schema.display_name or schema.node_id,
         sockets=tuple(Port(i.id, i.io_type, bool(i.optional)) for i in inputs if i.io_type not in WIDGET_TYPES),
-        widgets=tuple(Widget(i.id, i.io_type, i.default, bool(i.optional), bool(_option(i, "control_after_generate")))
+        widgets=tuple(Widget(i.id, i.io_type, i.default, bool(i.optional), bool(option(i, "control_after_generate")))
                       for i in inputs if i.io_type in WIDGET_TYPES),
         outputs=tuple(Port(o.display_name or o.io_type, o.io_type) for o in schema.outputs),
     )
 
 
+def import_pack():
+    """The repository as package `qi21` (already registered when the tests import this file), through the one
+    shared helper, demo/pack_import.py, loaded by its path: run as a script, Python puts workflows/ on sys.path,
+    not the repository."""
+    spec = importlib.util.spec_from_file_location("qi21_pack_import", ROOT / "demo" / "pack_import.py")
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    return helper.import_pack()
+
+
 def load_specs() -> dict[str, NodeSpec]:
     """Every node type the examples may use: the pack's (imported as `qi21`, without ComfyUI) and CORE_NODES."""
-    if PACKAGE not in sys.modules:
-        spec = importlib.util.spec_from_file_location(PACKAGE, ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[PACKAGE] = module
-        spec.loader.exec_module(module)
-    nodes = importlib.import_module(f"{PACKAGE}.nodes")
-    ours = {s.node_type: s for s in (spec_from_schema(n.define_schema()) for n in nodes.NODES)}
+    pack = import_pack().__name__
+    nodes = importlib.import_module(f"{pack}.nodes")
+    widget_option = importlib.import_module(f"{pack}.nodes.validation").widget_option
+    ours = {s.node_type: s for s in (spec_from_schema(n.define_schema(), widget_option) for n in nodes.NODES)}
     return {**CORE_NODES, **ours}
 
 
@@ -206,6 +228,15 @@ class Graph:
                 values.append(SEED_CONTROL)
         return values
 
+    @staticmethod
+    def _properties(node: Node) -> dict:
+        if not node.spec.in_api:
+            return {}
+        properties = {"Node name for S&R": node.spec.node_type}
+        if downloads := model_downloads(node):
+            properties["models"] = downloads
+        return properties
+
     def ui(self) -> dict:
         order = self._order()
         nodes = []
@@ -226,7 +257,7 @@ class Graph:
                 entry["title"] = node.title
             entry |= {"pos": list(node.pos), "size": list(node.size), "flags": {}, "order": order[node.id],
                       "mode": 0, "inputs": inputs, "outputs": outputs,
-                      "properties": {"Node name for S&R": node.spec.node_type} if node.spec.in_api else {},
+                      "properties": self._properties(node),
                       "widgets_values": self._widgets_values(node)}
             nodes.append(entry)
         links = [[link.id, link.origin.id, link.origin_slot, link.target.id,
@@ -381,8 +412,8 @@ Replace `example_1.png`..`example_3.png` with your own images.
 
 def transparent_rgba_png(g: Graph) -> None:
     model, encoder, vae = _loaders(g, TURBO_MODEL)
-    positive = _prompt(g, encoder, "A glass perfume bottle with a gold cap, product shot, isolated on a "
-                                   "transparent background, soft studio lighting.")
+    positive = _prompt(g, encoder, RGBA_PROMPT.format("A glass perfume bottle with a gold cap, product shot, soft "
+                                                      "studio lighting"))
     sampler = _sampler(g, "QI21TurboSampler", model, positive, width=1024, height=1024)
     decode = _decode(g, vae, sampler)
     _save(g, decode, "RGBA", "qwen-image-2.1/transparent_rgba")
@@ -399,12 +430,97 @@ Ask for transparency in the prompt. Works the same with the Base model and sampl
 """, (0, 660), (420, 260))
 
 
+def base_speed_lora(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    lora = g.add("QI21LoraLoader", (420, 380), (420, 110), lora_name=SPEED_LORA, strength=1.0)
+    g.link(model, "model", lora, "model")
+    positive = _prompt(g, encoder, "A lighthouse on a rocky coast under a stormy sky, waves breaking, dramatic "
+                                   "light, detailed photograph.")
+    sampler = _sampler(g, "QI21Sampler", lora, positive, steps=8, cfg=1.0, width=1024, height=1024)
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/base_speed_lora")
+    g.note("""
+## Qwen-Image 2.1 Base + speed LoRA
+
+*LoRA* sits between the model loader and the sampler: it returns the model with the LoRA, and leaves the
+loaded model as it was (no second copy of the weights). A speed (few-step) LoRA lets Base run in **8 steps,
+cfg 1**; use the steps its card gives. Put your LoRA in `models/loras` and pick it in the node
+(`qwen_image_2.1_speed_lora.safetensors` is a placeholder name). Chain more *LoRA* nodes to stack LoRAs; the
+sampler's report lists each with its strength.
+""", (0, 660), (420, 280))
+
+
+def _encode(g: Graph, vae: Node, image_file: str, pos=(420, 660)) -> tuple[Node, Node]:
+    image = g.add("LoadImage", pos, (320, 360), image=image_file)
+    encode = g.add("QI21VAEEncode", (pos[0] + 360, pos[1]), (300, 120))
+    g.link(vae, "vae", encode, "vae")
+    g.link(image, "IMAGE", encode, "image")
+    return image, encode
+
+
+def img2img(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    _, encode = _encode(g, vae, "example.png")
+    positive = _prompt(g, encoder, "An oil painting of the same scene, thick brush strokes, warm colours.")
+    sampler = _sampler(g, "QI21Sampler", model, positive, steps=40, cfg=1.0, width=0, height=0, denoise=0.6)
+    g.link(encode, "LATENT", sampler, "latent_image")
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/img2img")
+    g.note("""
+## Qwen-Image 2.1: image to image
+
+*Load Image* -> *VAE Encode* -> the sampler's `latent_image`. `denoise` 0.6 keeps the layout and redoes
+the rest: the sampler runs the last 40 steps of a 40 / 0.6 = 66-step schedule, starting from the image noised
+to that point. 1.0 ignores the image; lower keeps more of it. Width and height (0) follow the image, whose
+sides are centre-cropped to multiples of 32. Replace `example.png` with your own image.
+""", (0, 660), (400, 300))
+
+
+def inpaint_with_a_mask(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    image, encode = _encode(g, vae, "example.png")
+    mask = g.add("SetLatentNoiseMask", (780, 820), (260, 80))
+    g.link(encode, "LATENT", mask, "samples")
+    g.link(image, "MASK", mask, "mask")
+    positive = _prompt(g, encoder, "A small red boat on the water.")
+    sampler = _sampler(g, "QI21Sampler", model, positive, steps=40, cfg=1.0, width=0, height=0, denoise=1.0)
+    g.link(mask, "LATENT", sampler, "latent_image")
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/inpaint")
+    g.note("""
+## Qwen-Image 2.1: inpaint with a mask
+
+Paint the area to redo in *Load Image*'s mask editor (right click -> Open in MaskEditor): its MASK goes
+through core *Set Latent Noise Mask* onto the encoded image. The sampler repaints where the mask is 1 and
+keeps the rest: after every step the kept part is reset to the input noised to the next sigma, so it ends
+exactly as encoded. Lower `denoise` to keep more of the masked area's original content.
+""", (0, 660), (400, 300))
+
+
+def manual_schedule(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    positive = _prompt(g, encoder, "A paper boat on a puddle after the rain, city reflections, macro photograph.")
+    sigmas = g.add("ManualSigmas", (420, 380), (420, 90), sigmas="1.0, 0.94, 0.85, 0.72, 0.55, 0.35, 0.15, 0.0")
+    sampler = _sampler(g, "QI21Sampler", model, positive, steps=40, cfg=1.0, width=1024, height=1024)
+    g.link(sigmas, "SIGMAS", sampler, "sigmas")
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/manual_schedule")
+    g.note("""
+## Qwen-Image 2.1: a schedule typed by hand
+
+Core *ManualSigmas* -> the sampler's `sigmas`: the values are used exactly as typed (decreasing, from 1 for
+pure noise to 0), and `steps` is ignored. Use the schedule a speed LoRA's card gives, or split a schedule
+with *SplitSigmas* between two samplers (the second with `add_noise` off). *Qwen-Image 2.1 Schedule* gives
+the official sigmas as a starting point.
+""", (0, 660), (420, 280))
+
+
 WORKFLOWS = {
     "text_to_image_base": text_to_image_base,
     "text_to_image_turbo": text_to_image_turbo,
     "edit_one_reference": edit_one_reference,
     "edit_three_references": edit_three_references,
     "transparent_rgba_png": transparent_rgba_png,
+    "base_speed_lora": base_speed_lora,
+    "img2img": img2img,
+    "inpaint_with_a_mask": inpaint_with_a_mask,
+    "manual_schedule": manual_schedule,
 }
 
 

@@ -1,0 +1,57 @@
+"""The schedule as a core SIGMAS value, for ComfyUI's sigma nodes (SplitSigmas, FlipSigmas, ...) and the samplers'
+`sigmas` input."""
+
+from ..model.img2img import denoise_tail, fixed_tail
+from ..model.latents import DEFAULT_SIZE
+from ..model.schedule import base_sigmas, turbo_sigmas
+from .bridge import io
+from .types import CATEGORY
+from .validation import require, widget_problem
+
+
+def schedule_sigmas(schedule: str, steps: int, width: int, height: int, denoise: float = 1.0):
+    """The samplers' own schedule: Base (shifted by the image size; 0 = 1024) or Turbo's stored grid."""
+    if schedule == "turbo":
+        return fixed_tail(turbo_sigmas(), denoise)
+    width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE
+    return denoise_tail(lambda n: base_sigmas(n, width, height), steps, denoise)
+
+
+class QI21Sigmas(io.ComfyNode):
+    """The official schedules as SIGMAS: edit, split or flip them with core nodes, then feed a sampler."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="QI21Sigmas",
+            display_name="Qwen-Image 2.1 Schedule",
+            category=CATEGORY,
+            description="The sigmas the Qwen-Image 2.1 samplers use (Base: dynamic shift from the image size, last "
+                        "sigma 0.02; Turbo: the stored 8), as a SIGMAS value for core sigma nodes and the samplers' "
+                        "sigmas input.",
+            inputs=[
+                io.Combo.Input("schedule", options=["base", "turbo"], default="base",
+                               tooltip="base: the official 40-step schedule family; turbo: the stored 8-sigma grid "
+                                       "the Turbo model was distilled for."),
+                io.Int.Input("steps", default=40, min=1, max=200, tooltip="Base steps (ignored for turbo)."),
+                io.Int.Input("width", default=0, min=0, max=4096, step=32,
+                             tooltip="The image width the Base schedule is shifted for (0 = 1024); use the sampler's."),
+                io.Int.Input("height", default=0, min=0, max=4096, step=32,
+                             tooltip="The image height the Base schedule is shifted for (0 = 1024)."),
+                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, optional=True,
+                               tooltip="Below 1: the last steps of a longer schedule, as ComfyUI's schedulers do "
+                                       "(img2img). For turbo: the last round(8 * denoise) of its 8 steps."),
+            ],
+            outputs=[io.Sigmas.Output(display_name="SIGMAS")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, denoise=1.0, **kwargs):
+        if denoise is not None and not 0.0 < denoise <= 1.0:
+            return f"denoise = {denoise}: use a value in (0, 1] (0 would be a schedule without a step)."
+        return widget_problem(cls, denoise=denoise, **kwargs)
+
+    @classmethod
+    def execute(cls, schedule, steps, width, height, denoise=1.0) -> io.NodeOutput:
+        require(cls.validate_inputs(schedule=schedule, steps=steps, width=width, height=height, denoise=denoise))
+        return io.NodeOutput(schedule_sigmas(schedule, steps, width, height, denoise))
