@@ -13,18 +13,27 @@ For each reference count it times, interleaving ours and diffusers' calls and ta
 """
 
 import argparse
+import importlib.util
 import statistics
-import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
-from pack_import import import_pack  # noqa: E402
 
-import_pack()
+def _import_pack():
+    """The repository as package `qi21`, through demo/pack_import.py loaded by its path (run as a script, Python
+    puts benchmarks/, not the repository, on sys.path)."""
+    path = Path(__file__).resolve().parents[1] / "demo" / "pack_import.py"
+    spec = importlib.util.spec_from_file_location("qi21_pack_import", path)
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    return helper.import_pack()
+
+
+_import_pack()
 from qi21.model.conditioning import Conditioning  # noqa: E402
 from qi21.model.dit import DiTConfig, PrefixInputs, QwenImage21DiT  # noqa: E402
 from qi21.model.dit_loading import convert_state_dict  # noqa: E402
@@ -122,11 +131,11 @@ def main():
         prefix, target, kwargs, _ = build_inputs(references)
         ours_cache, ref_cache = PrefixKVCache(), ReferenceCache(args.layers)
         with torch.inference_mode():
-            ours_prefill = lambda: ours(target, t, [prefix], cache=ours_cache, mode="prefill")  # noqa: E731
-            ref_prefill = lambda: reference(timestep=t, kv_cache=ref_cache, kv_cache_mode="extract", **kwargs)  # noqa: E731
-            ours_cached = lambda: ours(target, t, [prefix], cache=ours_cache, mode="cached")  # noqa: E731
-            ref_cached = lambda: reference(timestep=t, kv_cache=ref_cache, kv_cache_mode="cached", **kwargs)  # noqa: E731
-            ours_uncached = lambda: ours(target, t, [prefix])  # noqa: E731
+            ours_prefill = partial(ours, target, t, [prefix], cache=ours_cache, mode="prefill")
+            ref_prefill = partial(reference, timestep=t, kv_cache=ref_cache, kv_cache_mode="extract", **kwargs)
+            ours_cached = partial(ours, target, t, [prefix], cache=ours_cache, mode="cached")
+            ref_cached = partial(reference, timestep=t, kv_cache=ref_cache, kv_cache_mode="cached", **kwargs)
+            ours_uncached = partial(ours, target, t, [prefix])
             for warm in (ours_prefill, ref_prefill, ours_cached, ref_cached):
                 warm()
             times = {name: [] for name in ("op", "rp", "oc", "rc", "ou")}

@@ -10,17 +10,26 @@ flex-attention prefill (compiled) against the SDPA one.
 """
 
 import argparse
+import importlib.util
 import statistics
-import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
-from pack_import import import_pack  # noqa: E402
 
-import_pack()
+def _import_pack():
+    """The repository as package `qi21`, through demo/pack_import.py loaded by its path (run as a script, Python
+    puts benchmarks/, not the repository, on sys.path)."""
+    path = Path(__file__).resolve().parents[1] / "demo" / "pack_import.py"
+    spec = importlib.util.spec_from_file_location("qi21_pack_import", path)
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    return helper.import_pack()
+
+
+_import_pack()
 from qi21.model.conditioning import Conditioning  # noqa: E402
 from qi21.model.dit import DiTConfig, PrefixInputs, QwenImage21DiT  # noqa: E402
 from qi21.model.dit_loading import convert_state_dict  # noqa: E402
@@ -50,7 +59,8 @@ def build(layers: int, device, dtype):
     with torch.no_grad():
         for name, param in reference.named_parameters():
             if param.ndim == 1:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param) if "text_norm" not in name else 0.1 * torch.randn_like(param))
+                centre = 0.0 if "text_norm" in name else 1.0  # the zero-centred text norm stores scale - 1
+                param.copy_(centre + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0, param.shape[1] ** -0.5)
     ours = QwenImage21DiT(DiTConfig(num_layers=layers), device=device, dtype=dtype)
@@ -121,10 +131,10 @@ def main():
         for references in (0, 1, 2):
             prefix, target, kwargs = inputs(references, 1, device, dtype)
             mine, theirs = PrefixKVCache(), QwenImage21KVCache(args.layers)
-            prefill_o = lambda: ours(target, t, [prefix], cache=mine, mode="prefill")  # noqa: E731
-            prefill_r = lambda: reference(timestep=t, kv_cache=theirs, kv_cache_mode="extract", **kwargs)  # noqa: E731
-            step_o = lambda: ours(target, t, [prefix], cache=mine, mode="cached")  # noqa: E731
-            step_r = lambda: reference(timestep=t, kv_cache=theirs, kv_cache_mode="cached", **kwargs)  # noqa: E731
+            prefill_o = partial(ours, target, t, [prefix], cache=mine, mode="prefill")
+            prefill_r = partial(reference, timestep=t, kv_cache=theirs, kv_cache_mode="extract", **kwargs)
+            step_o = partial(ours, target, t, [prefix], cache=mine, mode="cached")
+            step_r = partial(reference, timestep=t, kv_cache=theirs, kv_cache_mode="cached", **kwargs)
             for fn in (prefill_o, prefill_r, step_o, step_r):
                 fn()
             times = {k: [] for k in ("po", "pr", "so", "sr")}
@@ -141,8 +151,8 @@ def main():
             reference(timestep=t.expand(4), kv_cache=theirs4, kv_cache_mode="extract", **kwargs4)
             theirs_bytes = sum(c.k.numel() * c.k.element_size() * 2 for c in theirs4.layer_caches)
             peaks = []  # what one cached step allocates beyond the weights and caches already held
-            for fn in (lambda: ours(target4, t.expand(4), [prefix4], cache=mine4, mode="cached"),
-                       lambda: reference(timestep=t.expand(4), kv_cache=theirs4, kv_cache_mode="cached", **kwargs4)):
+            for fn in (partial(ours, target4, t.expand(4), [prefix4], cache=mine4, mode="cached"),
+                       partial(reference, timestep=t.expand(4), kv_cache=theirs4, kv_cache_mode="cached", **kwargs4)):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 held = torch.cuda.memory_allocated()

@@ -10,28 +10,22 @@ of 1024 tokens; only the layer count is cut). Prints ratios measured side by sid
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-import bench_dit  # noqa: E402
-from oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop, reference_cache_bytes  # noqa: E402
-
-from qi21.model.cache_store import PrefixCacheStore  # noqa: E402
-from qi21.model.sampling import initial_noise, sample  # noqa: E402
-from qi21.model.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas  # noqa: E402
+import bench_dit  # a sibling (this folder is on sys.path when run as a script); imports the pack as `qi21`
+from qi21.model.cache_store import PrefixCacheStore
+from qi21.model.sampling import initial_noise, sample
+from qi21.model.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
+from qi21.tests.oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop, reference_cache_bytes
 
 SIZE = (bench_dit.TARGET[1] * 16, bench_dit.TARGET[0] * 16)  # width, height in px
 
 
-def clock(fn):
+def clock(fn, *args, **kwargs):
     start = time.perf_counter()
-    result = fn()
+    result = fn(*args, **kwargs)
     return time.perf_counter() - start, result
 
 
@@ -51,9 +45,10 @@ def main():
         for references in (0, 1, 2):
             cond = bench_dit.build_inputs(references)[3]
             noise = initial_noise(references, 1, height, width)
-            ours_s, mine = clock(lambda: sample(ours, cond, sigmas=base_sigmas(args.steps, width, height),
-                                                width=width, height=height, noise=noise).latents)
-            ref_s, theirs = clock(lambda: diffusers_loop(reference, cond, noise, base_grid, BASE_SCHEDULER))
+            sigmas = base_sigmas(args.steps, width, height)
+            ours_s, mine = clock(sample, ours, cond, sigmas=sigmas, width=width, height=height, noise=noise)
+            mine = mine.latents
+            ref_s, theirs = clock(diffusers_loop, reference, cond, noise, base_grid, BASE_SCHEDULER)
             print(f"Base {args.steps} steps, {references} refs | {ours_s:.1f} | {ref_s:.1f} | {ours_s / ref_s:.3f} | "
                   f"{(mine - theirs).abs().max():.1e}")
         cond = bench_dit.build_inputs(2)[3]
@@ -78,7 +73,7 @@ def main():
 
         batch_sigmas = base_sigmas(args.batch_steps, width, height)
         noise4 = initial_noise(3, 4, height, width)
-        batch_s, batch = clock(lambda: sample(ours, cond, sigmas=batch_sigmas, width=width, height=height, noise=noise4))
+        batch_s, batch = clock(sample, ours, cond, sigmas=batch_sigmas, width=width, height=height, noise=noise4)
         singles_s, _ = clock(lambda: [sample(ours, cond, sigmas=batch_sigmas, width=width, height=height,
                                              noise=noise4[i : i + 1]) for i in range(4)])
         reference_caches = []

@@ -9,16 +9,12 @@ benchmark's bf16 "relative difference" can be read against the reference's own b
 """
 
 import copy
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_gpu  # noqa: E402  (imports the pack as `qi21`)
-
-from qi21.model.dit import DiTConfig, QwenImage21DiT  # noqa: E402
-from qi21.model.dit_loading import convert_state_dict  # noqa: E402
+import bench_gpu  # a sibling (this folder is on sys.path when run as a script); imports the pack as `qi21`
+from qi21.model.dit import DiTConfig, QwenImage21DiT
+from qi21.model.dit_loading import convert_state_dict
 
 
 def relative(a, b) -> float:

@@ -11,7 +11,7 @@ import torch
 from PIL import Image, ImageOps
 from PIL.PngImagePlugin import PngInfo
 
-from qi21.nodes.bridge import io
+from ..nodes.bridge import io
 
 EXAMPLE_IMAGES = ("qi21_example_rgb.png", "qi21_example_rgba.png")  # always provided in the input folder
 ALPHA_HINTS = ("rgba", "alpha", "transparent", "cutout")
@@ -48,7 +48,7 @@ def example_image(name: str) -> Image.Image:
     return Image.fromarray(np.dstack([pixels, alpha]), "RGBA")
 
 
-def _input_file_name(value) -> str:
+def input_file_name(value) -> str:
     """LoadImage's file name without ComfyUI's ` [input]` annotation, refused when it leaves the folder."""
     name = str(value).strip()
     for tag in (" [input]", " [output]", " [temp]"):
@@ -105,7 +105,8 @@ def save_images(images: torch.Tensor, folder: Path, prefix: str, prompt: dict) -
     for image in images.detach().float().cpu().numpy():
         pixels = np.clip(255.0 * image, 0, 255).astype(np.uint8)  # ComfyUI truncates, it does not round
         path = target.parent / f"{target.name}_{counter:05}_.png"
-        Image.fromarray(pixels, "RGBA" if pixels.shape[-1] == 4 else "RGB").save(path, pnginfo=metadata, compress_level=4)
+        mode = "RGBA" if pixels.shape[-1] == 4 else "RGB"
+        Image.fromarray(pixels, mode).save(path, pnginfo=metadata, compress_level=4)
         written.append(path)
         counter += 1
     return written
@@ -123,4 +124,19 @@ def core_schemas() -> dict:
                                   inputs=[io.Image.Input("images")]),
         "MaskPreview": io.Schema(node_id="MaskPreview", category="mask", is_output_node=True,
                                  inputs=[io.Mask.Input("mask")]),
+        "SetLatentNoiseMask": io.Schema(node_id="SetLatentNoiseMask", category="latent",
+                                        inputs=[io.Latent.Input("samples"), io.Mask.Input("mask")],
+                                        outputs=[io.Latent.Output(display_name="LATENT")]),
+        "ManualSigmas": io.Schema(node_id="ManualSigmas", category="sampling", inputs=[io.String.Input("sigmas")],
+                                  outputs=[io.Sigmas.Output(display_name="SIGMAS")]),
     }
+
+
+def set_latent_noise_mask(samples: dict, mask: torch.Tensor) -> tuple[dict]:
+    """Core SetLatentNoiseMask: the LATENT with the mask as `(B, 1, H, W)` `noise_mask` (resized later)."""
+    return ({**samples, "noise_mask": mask.reshape(-1, 1, *mask.shape[-2:])},)
+
+
+def manual_sigmas(sigmas: str) -> tuple[torch.Tensor]:
+    """Core ManualSigmas: every number in the text, in order, as a float tensor."""
+    return (torch.tensor([float(v) for v in re.findall(r"[-+]?(?:\d*\.*\d+)", sigmas)], dtype=torch.float32),)

@@ -1,6 +1,7 @@
 """Run the shipped API-format workflows headlessly through the pack's own node classes; no ComfyUI needed.
 
     python demo/run_workflows.py [--models DIR] [--out DIR] [--workflows PATH] [--input DIR] [--quick] [--verbose]
+    python -m demo.run_workflows ...     (the same, from the repository root)
 
 Every `*.json` in `--workflows` (default: workflows/api/) is run the way ComfyUI's executor would run it:
 the graph is validated first (known node types, required inputs present, links pointing at an existing output
@@ -27,6 +28,7 @@ capped so every workflow runs in seconds on a CPU, and the output says so.
 
 import argparse
 import heapq
+import importlib
 import inspect
 import json
 import math
@@ -36,22 +38,36 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pack_import import ROOT, import_pack  # noqa: E402  (run as a script, the demo folder is not a package)
+if __name__ == "__main__" and not (__package__ or "").endswith(".demo"):
+    # Run as `python demo/run_workflows.py` (no package; Python put demo/ on sys.path) or as `python -m
+    # demo.run_workflows` (package `demo`, outside the pack): register the repository as package `qi21`
+    # (pack_import.py) and run this module inside it, where its relative imports of the pack resolve.
+    if __package__:
+        from .pack_import import import_pack
+    else:
+        from pack_import import import_pack
 
-import_pack()
+    sys.exit(importlib.import_module(f"{import_pack().__name__}.demo.run_workflows").main())
 
-import torch  # noqa: E402  (the pack must be registered first)
+import torch
 
-from qi21.demo.tiny_checkpoints import write_tiny_checkpoints  # noqa: E402
-from qi21.model.references import MIN_VLM_PIXELS, reference_size  # noqa: E402
-from qi21.nodes import NODES, bridge  # noqa: E402
-from qi21.nodes.validation import widget_option as _option  # noqa: E402
-
-from core_nodes import (  # noqa: E402  (ComfyUI's core nodes the workflows use, minimal)
-    WorkflowError, _input_file_name, core_schemas, load_image, save_images, write_example_images,
+from ..model.references import MIN_VLM_PIXELS, reference_size
+from ..nodes import NODES, bridge
+from ..nodes.validation import widget_option, widget_problem
+from .core_nodes import (
+    WorkflowError,
+    core_schemas,
+    input_file_name,
+    load_image,
+    manual_sigmas,
+    save_images,
+    set_latent_noise_mask,
+    write_example_images,
 )
+from .pack_import import ROOT
+from .tiny_checkpoints import write_tiny_checkpoints
 
 TINY_BANNER = "USING A SMALL RANDOM CHECKPOINT: images are noise; pass --models for real weights"
 #: Limits of a quick run (always in tiny mode: the random model gives noise at any size, so run small).
@@ -81,7 +97,7 @@ def load_workflow(path: Path) -> dict[str, dict]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise WorkflowError(f"cannot read {path.name}: {error}")
+        raise WorkflowError(f"cannot read {path.name}: {error}") from error
     if isinstance(data, dict) and isinstance(data.get("prompt"), dict):
         data = data["prompt"]
     if isinstance(data, dict) and isinstance(data.get("nodes"), list) and "links" in data:
@@ -226,25 +242,23 @@ class Runner:
 
     @staticmethod
     def _check_widget(port, value) -> str | None:
+        """What ComfyUI checks of one widget value: its type (here), then its combo list and min/max through the
+        nodes' own check (nodes/validation.py, what the loaders and samplers run), worded for this runner."""
         kind = _io_type(port)
-        if kind == "COMBO":
-            choices = _option(port, "options")
-            if choices and value not in choices:
-                shown = ", ".join(map(str, list(choices)[:8])) + (" ..." if len(choices) > 8 else "")
-                return f"not among the choices ({shown})"
-            return None
-        if kind in ("INT", "FLOAT"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "INT" and value != int(value)):
-                return f"expected {kind}"
-            low, high = _option(port, "min"), _option(port, "max")
-            if low is not None and value < low or high is not None and value > high:
-                return f"outside [{low}, {high}]"
-            return None
+        if kind in ("INT", "FLOAT") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                         or (kind == "INT" and not float(value).is_integer())):
+            return f"expected {kind}"
         if kind == "BOOLEAN" and not isinstance(value, bool):
             return "expected true or false"
         if kind == "STRING" and not isinstance(value, str):
             return "expected a string"
-        return None
+        if kind not in ("COMBO", "INT", "FLOAT") or _widget_fits(port, value):
+            return None
+        if kind == "COMBO":
+            choices = list(widget_option(port, "options") or ())
+            shown = ", ".join(map(str, choices[:8])) + (" ..." if len(choices) > 8 else "")
+            return f"not among the choices ({shown})"
+        return f"outside [{widget_option(port, 'min')}, {widget_option(port, 'max')}]"
 
     # execution ----------------------------------------------------------------------------------------------
     def _inputs(self, nodes, node_id, schema, outputs) -> dict:
@@ -275,12 +289,13 @@ class Runner:
 
         if class_type in ("QI21Sampler", "QI21TurboSampler"):
             has_references = bool(getattr(kwargs.get("positive"), "ref_shapes", ()))
-            for name in ("width", "height"):
+            for name in ("width", "height") if kwargs.get("latent_image") is None else ():  # a latent sets the size
                 value = kwargs.get(name, 0)
                 cap(name, (0 if has_references else QUICK_MAX_SIDE) if value == 0 else min(value, QUICK_MAX_SIDE))
             if class_type == "QI21Sampler":
                 cap("steps", min(kwargs.get("steps", QUICK_MAX_STEPS), QUICK_MAX_STEPS))
-        elif class_type in LOADERS and kwargs.get("weight_dtype", "fp32") != "fp32" and bridge.compute_device().type == "cpu":
+        elif (class_type in LOADERS and kwargs.get("weight_dtype", "fp32") != "fp32"
+              and bridge.compute_device().type == "cpu"):
             # CPUs without native bf16 run bf16 matmuls ~20x and convolutions (aten::_slow_conv2d_forward) ~15x
             # slower than fp32, and the loaders' "default" keeps the files' bf16
             cap("weight_dtype", "fp32")
@@ -297,7 +312,11 @@ class Runner:
     def _execute(self, node_id: str, node: dict, kwargs: dict, workflow: dict, folder: Path, result: WorkflowResult):
         class_type = node["class_type"]
         if class_type == "LoadImage":
-            return load_image(self.input_dir / _input_file_name(kwargs["image"]))
+            return load_image(self.input_dir / input_file_name(kwargs["image"]))
+        if class_type == "SetLatentNoiseMask":
+            return set_latent_noise_mask(**kwargs)
+        if class_type == "ManualSigmas":
+            return manual_sigmas(**kwargs)
         if class_type in ("SaveImage", "PreviewImage", "MaskPreview"):
             prefix = kwargs.get("filename_prefix", "ComfyUI") if class_type == "SaveImage" else f"preview_{node_id}"
             images = kwargs["mask"] if class_type == "MaskPreview" else kwargs["images"]
@@ -346,7 +365,8 @@ class Runner:
             result.ok = True
         except Exception as error:  # one broken workflow must not stop the others
             where = f"node {current} ({nodes[current]['class_type']}): " if current is not None else ""
-            result.error = where + (str(error) if isinstance(error, WorkflowError) else f"{type(error).__name__}: {error}")
+            reason = str(error) if isinstance(error, WorkflowError) else f"{type(error).__name__}: {error}"
+            result.error = where + reason
             result.details = None if isinstance(error, WorkflowError) else traceback.format_exc()
         result.seconds = time.perf_counter() - start
         return result
@@ -367,6 +387,12 @@ class Runner:
         for key in list(self.loader_cache):
             if key not in wanted:
                 del self.loader_cache[key]
+
+
+def _widget_fits(port, value) -> bool:
+    """`widget_problem` of nodes/validation.py for one input of any schema (ours or a core node's here)."""
+    one_input = SimpleNamespace(define_schema=lambda: SimpleNamespace(inputs=[port]))
+    return widget_problem(one_input, **{port.id: value}) is True
 
 
 def _loader_key(class_type: str, kwargs: dict) -> tuple:
@@ -392,7 +418,7 @@ def image_names(workflows: list[Path]) -> list[str]:
             value = node.get("inputs", {}).get("image")
             if node["class_type"] == "LoadImage" and isinstance(value, str):
                 try:
-                    names.append(_input_file_name(value))
+                    names.append(input_file_name(value))
                 except WorkflowError:
                     pass
     return names

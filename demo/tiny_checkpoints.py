@@ -1,7 +1,7 @@
 """A tiny random Qwen-Image 2.1 model set, written in every file layout the loaders accept.
 
 `write_tiny_checkpoints(root)` fills a ComfyUI-style models folder with the released file names and layouts
-(CHECKPOINTS.md sections 1.3, 3.3, 4.3 and 5), so the loaders, the nodes and the headless demo can run end to
+(docs/checkpoints.md describes each), so the loaders, the nodes and the headless demo can run end to
 end without the 30 GB of real weights:
 
     diffusion_models/qwen_image_2.1_bf16.safetensors        bare keys, fused img_mlp.gate_up = [gate; up]
@@ -10,6 +10,7 @@ end without the 30 GB of real weights:
                                                             / model.visual.* / lm_head.weight
     text_encoders/qwen3vl_8b_bf16_tokenizer/                vocab.json + merges.txt + tokenizer_config.json
     vae/qwen_image_2.1_vae_bf16.safetensors                 Wan 2.2 names, causal convs 5-D [O, I, 1, kh, kw]
+    loras/qwen_image_2.1_speed_lora.safetensors             a rank-4 LoRA on every block (kohya keys + alpha)
     diffusers/Qwen-Image-2.1/                               model_index.json, scheduler/, transformer/ (2 shards
                                                             + index), vae/, text_encoder/ (2 shards + index),
                                                             processor/ (tokenizer.json + preprocessor_config.json)
@@ -34,8 +35,8 @@ release: bf16 everywhere except the diffusers VAE, which is fp32 holding the sam
 every layout of a component holds bit-identical weights (load both at the same weight_dtype to compare).
 
 Only runtime dependencies are used (torch, safetensors, transformers, tokenizers): never diffusers. Import this
-module as part of the pack (`qi21.demo.tiny_checkpoints`); tests/conftest.py and demo/run_workflows.py register
-the repository under that name.
+module as part of the pack (`qi21.demo.tiny_checkpoints`, once demo/pack_import.py has registered the repository
+under that name).
 """
 
 import json
@@ -62,15 +63,16 @@ TINY_DIT = DiTConfig(num_layers=2, num_heads=2, head_dim=32, context_in_dim=16, 
 TINY_VAE = QwenImage21VAEConfig(base_dim=4, decoder_base_dim=6, z_dim=64, dim_mult=(1, 2, 4, 8, 8), num_res_blocks=2,
                                 temporal_downsample=(False, True, True, True))
 
-#: Released file names (CHECKPOINTS.md section 0) and diffusers repository names (section 5).
+#: Released file names and diffusers repository names (docs/checkpoints.md).
 DIT_FILE, TURBO_DIT_FILE = "qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_turbo_bf16.safetensors"
 TEXT_ENCODER_FILE = "qwen3vl_8b_bf16.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
+SPEED_LORA_FILE = "qwen_image_2.1_speed_lora.safetensors"  # the name the LoRA example workflow loads
 BASE_REPO, TURBO_REPO = "Qwen-Image-2.1", "Qwen-Image-2.1-Turbo"
 COMFY_DIT_PREFIX = "model.diffusion_model."  # seen in the wild; the Turbo file uses it to cover that layout
 SAFETENSORS_METADATA = {"format": "pt"}  # what transformers and diffusers write
 
-#: `model_index.json` of the diffusers repositories (CHECKPOINTS.md section 5); Turbo adds `sample_sigmas`.
+#: `model_index.json` of the diffusers repositories (docs/checkpoints.md); Turbo adds `sample_sigmas`.
 MODEL_INDEX = {
     "_class_name": "QwenImage21Pipeline",
     "_diffusers_version": "0.42.1",
@@ -80,7 +82,7 @@ MODEL_INDEX = {
     "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
     "vae": ["diffusers", "AutoencoderKLQwenImage21"],
 }
-#: `scheduler/scheduler_config.json` of Base (CHECKPOINTS.md 2.1); Turbo turns the shifts off.
+#: `scheduler/scheduler_config.json` of Base (docs/schedule.md); Turbo turns the shifts off.
 BASE_SCHEDULER = {
     "_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.42.1", "num_train_timesteps": 1000,
     "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256,
@@ -201,7 +203,7 @@ def _meta_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
 
 
-# -- DiT (CHECKPOINTS.md 1.2-1.3) -----------------------------------------------------------------------------
+# -- DiT (docs/checkpoints.md) -------------------------------------------------------------------------------
 #: Our parameter names -> diffusers names (rows split in order where one of ours fuses several).
 DIT_TOP_LEVEL = {
     "time_embed.linear_1.weight": "time_text_embed.timestep_embedder.linear_1.weight",
@@ -244,6 +246,24 @@ def dit_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0) -> dict[str, tor
     return out
 
 
+def lora_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0, rank: int = 4) -> dict[str, torch.Tensor]:
+    """A random LoRA on every block's attention and MLP in kohya's format (`lora_unet_` + the diffusers module
+    name with underscores, `lora_down`/`lora_up`, `alpha` = rank), small enough to leave the images sane."""
+    generator = torch.Generator().manual_seed(seed)
+    width, hidden = config.width, config.mlp_hidden
+    modules = (("attn_to_q", width, width), ("attn_to_k", width, width), ("attn_to_v", width, width),
+               ("attn_to_out_0", width, width), ("img_mlp_gate_layer", width, hidden),
+               ("img_mlp_proj", width, hidden), ("img_mlp_out", hidden, width))
+    out = {}
+    for i in range(config.num_layers):
+        for module, fan_in, fan_out in modules:
+            stem = f"lora_unet_transformer_blocks_{i}_{module}"
+            out[stem + ".lora_down.weight"] = torch.randn(rank, fan_in, generator=generator) / math.sqrt(fan_in)
+            out[stem + ".lora_up.weight"] = 0.1 * torch.randn(fan_out, rank, generator=generator) / math.sqrt(rank)
+            out[stem + ".alpha"] = torch.tensor(float(rank))
+    return out
+
+
 def comfy_dit_state_dict(diffusers_sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
     """ComfyUI's single-file layout: each block's `img_mlp.gate_up` = cat[gate_layer; proj], other keys as is."""
     out = {}
@@ -258,7 +278,7 @@ def comfy_dit_state_dict(diffusers_sd: dict[str, torch.Tensor], prefix: str = ""
 
 
 def dit_config_json(config: DiTConfig) -> dict:
-    """`transformer/config.json` (CHECKPOINTS.md 1.1) for `config`."""
+    """`transformer/config.json` for `config`."""
     return {
         "_class_name": "QwenImage21Transformer2DModel", "_diffusers_version": "0.42.1", "patch_size": 1,
         "in_channels": config.in_channels, "out_channels": config.out_channels, "num_layers": config.num_layers,
@@ -268,7 +288,7 @@ def dit_config_json(config: DiTConfig) -> dict:
     }
 
 
-# -- VAE (CHECKPOINTS.md 3.2-3.3) -----------------------------------------------------------------------------
+# -- VAE (docs/checkpoints.md) -------------------------------------------------------------------------------
 def vae_state_dict(config: QwenImage21VAEConfig = TINY_VAE, seed: int = 0) -> dict[str, torch.Tensor]:
     """A random VAE with our architecture (`QwenImage21VAE(config)`) in diffusers' layout: 4-D convolutions,
     resnet/head gammas `[C, 1, 1, 1]`, attention gammas `[C, 1, 1]`, and the `time_conv` weights diffusers has
@@ -303,7 +323,7 @@ WAN_RESIDUAL = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual
 
 
 def wan_vae_key(name: str, num_res_blocks: int) -> str:
-    """ComfyUI's Wan 2.2 name (CHECKPOINTS.md 3.3) for a diffusers VAE key."""
+    """ComfyUI's Wan 2.2 name (docs/checkpoints.md) for a diffusers VAE key."""
     side, _, rest = name.partition(".")
     if side in ("quant_conv", "post_quant_conv"):
         return {"quant_conv": "conv1", "post_quant_conv": "conv2"}[side] + "." + rest
@@ -331,13 +351,14 @@ def comfy_vae_state_dict(diffusers_sd: dict[str, torch.Tensor], num_res_blocks: 
     (conv_in/out, resnet convs and shortcuts, time_conv, quant convs); `resample.1`, `to_qkv`, `proj` stay 2D."""
     out = {}
     for name, tensor in diffusers_sd.items():
-        causal = name.endswith(".weight") and tensor.ndim == 4 and not re.search(r"resample\.1\.|to_qkv\.|\.proj\.", name)
+        causal = (name.endswith(".weight") and tensor.ndim == 4
+                  and not re.search(r"resample\.1\.|to_qkv\.|\.proj\.", name))
         out[wan_vae_key(name, num_res_blocks)] = tensor.unsqueeze(2) if causal else tensor
     return out
 
 
 def vae_config_json(config: QwenImage21VAEConfig) -> dict:
-    """`vae/config.json` (CHECKPOINTS.md 3.1) for `config`."""
+    """`vae/config.json` for `config`."""
     return {
         "_class_name": "AutoencoderKLQwenImage21", "_diffusers_version": "0.42.1", "base_dim": config.base_dim,
         "decoder_base_dim": config.decoder_base_dim, "z_dim": config.z_dim, "dim_mult": list(config.dim_mult),
@@ -349,7 +370,7 @@ def vae_config_json(config: QwenImage21VAEConfig) -> dict:
     }
 
 
-# -- text encoder (CHECKPOINTS.md 4.1, 4.3) -------------------------------------------------------------------
+# -- text encoder (docs/checkpoints.md) ----------------------------------------------------------------------
 def tiny_text_encoder_config() -> Qwen3VLConfig:
     """A tiny Qwen3-VL whose unseen values are the ones `text_encoder_loading` assumes for a single file.
 
@@ -399,7 +420,8 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> P
     return path
 
 
-def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, stem: str, dtype: torch.dtype, shards: int = 2) -> Path:
+def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, stem: str, dtype: torch.dtype,
+                  shards: int = 2) -> Path:
     """`{stem}-0000k-of-0000n.safetensors` + `{stem}.safetensors.index.json`, as `save_pretrained` shards."""
     names = sorted(tensors)
     size = math.ceil(len(names) / shards)
@@ -418,7 +440,7 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, stem: str, dty
 def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
     """Write the tiny random model set under `root` (a ComfyUI models folder); returns where everything is.
 
-    Keys of the result: "root"; the single files "dit", "turbo_dit", "text_encoder", "tokenizer", "vae"; the
+    Keys of the result: "root"; the single files "dit", "turbo_dit", "text_encoder", "tokenizer", "vae", "lora"; the
     diffusers repositories "diffusers_base", "diffusers_turbo". Existing files are overwritten. The same seed
     gives the same weights.
     """
@@ -433,11 +455,12 @@ def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
     paths = {
         "root": root,
         "dit": _save(comfy_dit_state_dict(base_dit), root / "diffusion_models" / DIT_FILE, bf16),
-        "turbo_dit": _save(comfy_dit_state_dict(turbo_dit, COMFY_DIT_PREFIX), root / "diffusion_models" / TURBO_DIT_FILE,
-                           bf16),
+        "turbo_dit": _save(comfy_dit_state_dict(turbo_dit, COMFY_DIT_PREFIX),
+                           root / "diffusion_models" / TURBO_DIT_FILE, bf16),
         "text_encoder": _save({comfy_text_encoder_key(k): v for k, v in text_encoder.items()},
                               root / "text_encoders" / TEXT_ENCODER_FILE, bf16),
         "vae": _save(comfy_vae_state_dict(vae, TINY_VAE.num_res_blocks), root / "vae" / VAE_FILE, bf16),
+        "lora": _save(lora_state_dict(TINY_DIT, seed + 4), root / "loras" / SPEED_LORA_FILE, bf16),
     }
     tokenizer = root / "text_encoders" / (Path(TEXT_ENCODER_FILE).stem + "_tokenizer")  # found by find_tokenizer_dir
     shutil.rmtree(tokenizer, ignore_errors=True)
@@ -451,14 +474,15 @@ def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
     ):
         folder = root / "diffusers" / repo
         shutil.rmtree(folder, ignore_errors=True)
-        _write_json(folder / "model_index.json", dict(MODEL_INDEX, **({"sample_sigmas": list(sigmas)} if sigmas else {})))
+        index = dict(MODEL_INDEX, **({"sample_sigmas": list(sigmas)} if sigmas else {}))
+        _write_json(folder / "model_index.json", index)
         _write_json(folder / "scheduler" / "scheduler_config.json", scheduler)
         _write_json(folder / "transformer" / "config.json", dit_config_json(TINY_DIT))
         _save_sharded(dit, folder / "transformer", "diffusion_pytorch_model", bf16)
         _write_json(folder / "vae" / "config.json", vae_config_json(TINY_VAE))
         _save(vae, folder / "vae" / "diffusion_pytorch_model.safetensors", torch.float32)  # the release's VAE is fp32
         _write_json(folder / "text_encoder" / "config.json", te_json)
-        if sigmas:  # Turbo ships its (identical) text encoder as one file, Base sharded (CHECKPOINTS.md 1.6)
+        if sigmas:  # Turbo ships its (identical) text encoder as one file, Base sharded
             _save(text_encoder, folder / "text_encoder" / "model.safetensors", bf16)
         else:
             _save_sharded(text_encoder, folder / "text_encoder", "model", bf16)

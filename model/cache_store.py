@@ -4,6 +4,10 @@ A second run with the same model and the same conditioning (another seed, anothe
 the prefix never reads the target) finds its cache here and skips the prefill entirely. Entries are keyed by
 the model's identity and the conditioning's content, evicted least-recently-used to stay inside the budget,
 dropped when their model is garbage-collected, and cleared on request (ComfyUI's "free memory").
+
+The bound is the smaller of a fixed ceiling (`budget_bytes`; None: none) and what the memory planner says is free
+beside the current run (`free_bytes`, set by the sampler nodes before each run, model/planner.py); with neither,
+`DEFAULT_BUDGET_BYTES`. The samplers' store has no fixed ceiling: on a large GPU it keeps more.
 """
 
 import threading
@@ -16,15 +20,36 @@ DEFAULT_BUDGET_BYTES = 8 * 2**30  # ~16k prefix tokens of the full model in bf16
 
 
 class PrefixCacheStore:
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
-        self.budget_bytes = int(budget_bytes)
+    def __init__(self, budget_bytes: int | None = DEFAULT_BUDGET_BYTES):
+        self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
+        self.free_bytes: int | None = None  # the memory planner's figure (set_free)
         self._entries: OrderedDict[tuple, PrefixKVCache] = OrderedDict()
         self._watched: set[int] = set()
         self._lock = threading.Lock()
 
     @staticmethod
     def key(model, *fingerprints, dtype=None) -> tuple:
-        return (id(model), str(dtype), *fingerprints)
+        """The model's identity and dtype, the conditioning's fingerprints, and last the model's LoRA set (name and
+        strength of each: another strength or another LoRA never reuses a prefix)."""
+        loras = tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
+        return (id(model), str(dtype), *fingerprints, loras)
+
+    @property
+    def limit_bytes(self) -> int:
+        """The bound in force: the smaller of `budget_bytes` and `free_bytes` (DEFAULT_BUDGET_BYTES with neither)."""
+        bounds = [b for b in (self.budget_bytes, self.free_bytes) if b is not None]
+        return min(bounds) if bounds else DEFAULT_BUDGET_BYTES
+
+    def set_free(self, free_bytes: int | None) -> None:
+        """What the memory planner says kept caches may use beside the next run; evicts (LRU) down to it now."""
+        with self._lock:
+            self.free_bytes = None if free_bytes is None else max(0, int(free_bytes))
+            while self._entries and self.nbytes > self.limit_bytes:
+                self._entries.popitem(last=False)[1].free()
+
+    def payloads(self) -> list:
+        """The tensors the kept caches hold (for memory accounting)."""
+        return [t for cache in self._entries.values() for t in (cache.kv or ())]
 
     @property
     def nbytes(self) -> int:
@@ -44,12 +69,12 @@ class PrefixCacheStore:
         Returns False (and frees the cache) when it alone exceeds the budget.
         """
         with self._lock:
-            if cache.nbytes > self.budget_bytes:
+            if cache.nbytes > self.limit_bytes:
                 cache.free()
                 return False
             self._entries.pop(key, None)
             self._entries[key] = cache
-            while self.nbytes > self.budget_bytes:
+            while self.nbytes > self.limit_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 evicted.free()
             if id(model) not in self._watched:
@@ -78,4 +103,4 @@ def _evict_from(store_ref, model_id: int) -> None:
         store.evict_model(model_id)
 
 
-DEFAULT_STORE = PrefixCacheStore()
+DEFAULT_STORE = PrefixCacheStore(budget_bytes=None)  # bounded by the planner's free_bytes (the sampler nodes)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .latents import RELEASED_LATENT_FORMAT, LatentFormat
 from .layout import SequenceLayout, build_layout
 
 
@@ -24,12 +25,15 @@ class Conditioning:
         image_slots: `(L,)` bool, True at the `<|image_pad|>` positions (each stands for 2x2 latent tokens).
         references: `(sum h*w, 64)` packed, normalised reference latents (row-major per reference), or None.
         ref_shapes: latent `(h, w)` of each reference, in prompt order.
+        latent_format: the VAE statistics the references were normalised with; the sampler turns its output
+            back into raw latents with the same (the released ones when there are no references).
     """
 
     text: torch.Tensor
     image_slots: torch.Tensor
     references: torch.Tensor | None = None
     ref_shapes: tuple[tuple[int, int], ...] = ()
+    latent_format: LatentFormat = RELEASED_LATENT_FORMAT
     _memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):

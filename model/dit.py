@@ -18,15 +18,22 @@ What we do differently is where the work goes:
 """
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import ATTENTION_BACKENDS, flex_block_mask, prefix_attention_flex, prefix_attention_sdpa, target_attention
+from .attention import (
+    ATTENTION_BACKENDS,
+    flex_block_mask,
+    prefix_attention_flex,
+    prefix_attention_sdpa,
+    target_attention,
+)
 from .layout import SequenceLayout
-from .prefix_cache import PrefixKVCache
+from .prefix_cache import LayerKV, PrefixKVCache
 from .rope import apply_rope, rope_angles
 
 TIMESTEP_DIM = 256  # sinusoid width fed to the timestep MLP
@@ -59,19 +66,46 @@ class DiTConfig:
 
 
 class Linear(nn.Module):
-    """Bias-free linear whose weight may be stored in a narrower dtype (fp8) than the compute dtype."""
+    """Bias-free linear whose weight may be stored in a narrower dtype (fp8) than the compute dtype.
+
+    Two extension points keep other weight formats and LoRA out of the blocks: a subclass that stores its weight
+    otherwise overrides `weight_rows` (dequantize, then the plain GEMM) or `project` (its own quantized GEMM);
+    `adapters` are added to the output, each called as
+    `adapter(x, start, end)` -> the `(..., end - start)` term for those output rows, or None when it does not
+    touch them (low-rank LoRA branches: the frozen weight is never changed or copied).
+    """
 
     def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False)
+        weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.adapters: tuple = ()
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rows(x, 0, self.weight.shape[0])
+        return self.rows(x, 0, self.out_features)
+
+    def weight_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `[start, end)` of the weight in `dtype` (a view when no conversion is needed)."""
+        weight = self.weight[start:end]
+        return weight if weight.dtype == dtype else weight.to(dtype)
+
+    def project(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The frozen layer's output features `[start, end)`: one GEMM over a contiguous block of weight rows.
+        Formats with kernels of their own (int8 / fp8 GEMMs) override this instead of `weight_rows`."""
+        return F.linear(x, self.weight_rows(start, end, x.dtype))
 
     def rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Output features `[start, end)` only: one GEMM over a contiguous block of weight rows."""
-        weight = self.weight[start:end]
-        return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+        """Output features `[start, end)` only, adapters included."""
+        out = self.project(x, start, end)
+        for adapter in self.adapters:
+            term = adapter(x, start, end)
+            if term is not None:
+                out = out + term
+        return out
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -128,12 +162,87 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(F.silu(self.linear_1(timestep_sinusoid(t).to(dtype))))
 
 
+def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Affine-free LayerNorm over the width (the modulation supplies the scale)."""
+    return F.layer_norm(x, (x.shape[-1],), eps=eps)
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixInputs:
+    """One distinct prompt: text-encoder states `(L, context_dim)`, its layout, and its references' packed
+    latents `(sum h*w, in_channels)` (None without references). Cached steps only read `layout`."""
+
+    layout: SequenceLayout
+    text: torch.Tensor | None = None
+    references: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """Everything a block needs to know about the ragged row buffer of one forward, built once per forward.
+
+    The buffer is `[prefix 0 | prefix 1 | ... | sample 0's target | sample 1's target | ...]`: each distinct
+    prompt's prefix appears once however many samples read it. In cached steps it holds the targets only.
+
+    Attributes:
+        mode: "uncached", "prefill" or "cached".
+        prefix_spans: `(start, end)` of each prefix in the buffer; empty when the buffer holds targets only.
+        prefix_lens: tokens of each prefix (also in cached steps, where the cache holds them).
+        samples, target_len: the target rows are `samples` runs of `target_len` rows, after the prefixes.
+        readers: per prefix, the samples attending to it (a slice when they are consecutive, else a list).
+        prefix_mod_rows: per prefix, its row of the modulation table (the t = 0 row under causal_condition).
+        rope: `(rows, head_dim / 2)` complex rotations in buffer order.
+        prefix_attention: `(g, q, k, v) -> out` block-causal attention of prefix g; None in cached steps.
+    """
+
+    mode: str
+    prefix_spans: tuple[tuple[int, int], ...]
+    prefix_lens: tuple[int, ...]
+    samples: int
+    target_len: int
+    readers: tuple
+    prefix_mod_rows: tuple[int, ...]
+    rope: torch.Tensor
+    prefix_attention: Callable | None = None
+
+    @property
+    def target_start(self) -> int:
+        return self.prefix_spans[-1][1] if self.prefix_spans else 0
+
+    def targets_only(self) -> "Rows":
+        """The same rows after the prefix rows were dropped from the buffer (the last block does this)."""
+        return replace(self, prefix_spans=(), rope=self.rope[self.target_start :], prefix_attention=None)
+
+    def modulate(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """`x * (1 + scale)` with each row's own modulation row (prefix g: its row; sample b's targets: row b)."""
+        out = torch.empty_like(x)
+        for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
+            torch.mul(x[start:end], 1 + scale[row], out=out[start:end])
+        target = x[self.target_start :].view(self.samples, self.target_len, -1)
+        torch.mul(target, 1 + scale[: self.samples, None], out=out[self.target_start :].view_as(target))
+        return out
+
+    def gated_add(self, x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> None:
+        """`x += tanh(gate) * update`, in place, with the same row selection as `modulate`."""
+        gate = gate.tanh()
+        for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
+            x[start:end] += gate[row] * update[start:end]
+        target = x[self.target_start :].view(self.samples, self.target_len, -1)
+        target += gate[: self.samples, None] * update[self.target_start :].view_as(target)
+
+
 class Block(nn.Module):
-    """One single-stream block. It owns no modulation: all blocks read the model's one shared table."""
+    """One single-stream block: modulation, block-causal attention over its rows, SwiGLU MLP, gated residuals.
+
+    The modulation table is the model's (one for all blocks); each block gets its rows `(B + 1, 4 * width)`.
+    Everything else a block reads is its own weights, the `Rows` of this forward and its layer of the prefix
+    cache, so a block can be run, hooked, streamed or compiled alone.
+    """
 
     def __init__(self, config: DiTConfig, device=None, dtype=None):
         super().__init__()
         width, hidden = config.width, config.mlp_hidden
+        self.num_heads, self.head_dim, self.eps = config.num_heads, config.head_dim, config.eps
         self.qkv = Linear(width, 3 * width, device=device, dtype=dtype)  # rows: [q; k; v]
         self.norm_q = nn.Parameter(torch.ones(config.head_dim, device=device, dtype=dtype), requires_grad=False)
         self.norm_k = nn.Parameter(torch.ones(config.head_dim, device=device, dtype=dtype), requires_grad=False)
@@ -148,33 +257,92 @@ class Block(nn.Module):
         up = self.gate_up.rows(x, hidden, 2 * hidden)
         return self.down(F.silu(self.gate_up.rows(x, 0, hidden), inplace=True).mul_(up))
 
+    def qkv_heads(self, h: torch.Tensor, rope: torch.Tensor):
+        """Normed, rotated q and k and plain v, each `(N, heads, head_dim)` and contiguous."""
+        width, heads, head_dim = h.shape[-1], self.num_heads, self.head_dim
+        # One weight [q; k; v], two GEMMs: [q; k] and v land in separate dense buffers, so every later
+        # elementwise kernel and the K/V concatenation run on contiguous memory (a single [q; k; v] output
+        # leaves q, k and v as gapped views, which GPUs copy through slow strided kernels).
+        qk = self.qkv.rows(h, 0, 2 * width).unflatten(-1, (2, heads, head_dim)).transpose(0, 1)  # (2, N, H, D)
+        v = self.qkv.rows(h, 2 * width, 3 * width).unflatten(-1, (heads, head_dim))  # (N, H, D)
+        qk = qk.to(torch.float32, memory_format=torch.contiguous_format)  # q and k normed and rotated together
+        qk = head_rms_norm(qk, torch.stack([self.norm_q, self.norm_k])[:, None, None], self.eps).to(v.dtype)
+        q, k = apply_rope(qk, rope[None, :, None]).unbind(0)  # (N, H, D) each
+        return q, k, v
 
-@dataclass(frozen=True, eq=False)
-class PrefixInputs:
-    """One distinct prompt: text-encoder states `(L, context_dim)`, its layout, and its references' packed
-    latents `(sum h*w, in_channels)` (None without references). Cached steps only read `layout`."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        mods: torch.Tensor,
+        rows: Rows,
+        kv: LayerKV | None = None,
+        drop_prefix: bool = False,
+    ) -> torch.Tensor:
+        """One block over the row buffer `x` `(rows, width)`.
 
-    layout: SequenceLayout
-    text: torch.Tensor | None = None
-    references: torch.Tensor | None = None
+        Args:
+            mods: `(B + 1, 4 * width)` modulation rows `[scale1 | gate1 | scale2 | gate2]`.
+            rows: the buffer's `Rows`.
+            kv: this layer's view of the prefix cache: filled in a prefill, read in a cached step.
+            drop_prefix: return the target rows only (the last block: nothing reads the prefix rows' outputs,
+                only their keys and values were needed).
+        Returns:
+            the updated buffer, `(rows, width)`, or the target rows only with `drop_prefix`.
+        """
+        heads, head_dim = self.num_heads, self.head_dim
+        scale1, gate1, scale2, gate2 = mods.chunk(4, dim=-1)
+        if rows.mode != "uncached" and kv is None:
+            raise ValueError(f"a {rows.mode} step needs this layer's prefix cache (kv).")
+
+        q, k, v = self.qkv_heads(rows.modulate(layer_norm(x, self.eps), scale1), rows.rope)
+        t0 = rows.target_start
+        first_out = t0 if drop_prefix else 0
+        attn = torch.empty(x.shape[0] - first_out, heads, head_dim, dtype=v.dtype, device=v.device)
+        prefix_kv = []
+        for g, (start, end) in enumerate(rows.prefix_spans):
+            if rows.mode == "prefill":
+                kv.store(g, k[start:end], v[start:end])
+            prefix_kv.append((k[start:end], v[start:end]))
+            if not drop_prefix:
+                attn[start:end] = rows.prefix_attention(g, q[start:end], k[start:end], v[start:end])
+        if rows.mode == "cached":
+            prefix_kv = [kv.read(g) for g in range(len(rows.prefix_lens))]
+
+        samples, length = rows.samples, rows.target_len
+        q_t, k_t, v_t = (tensor[t0:].view(samples, length, heads, head_dim) for tensor in (q, k, v))
+        attn_t = attn[t0 - first_out :].view(samples, length, heads, head_dim)
+        for g, pick in enumerate(rows.readers):
+            if pick is not None:
+                attn_t[pick] = target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
+
+        if drop_prefix:
+            x, rows = x[t0:], rows.targets_only()
+        rows.gated_add(x, gate1, self.to_out(attn.flatten(1)))
+        rows.gated_add(x, gate2, self.mlp(rows.modulate(layer_norm(x, self.eps), scale2)))
+        if x.dtype == torch.float16:
+            x = x.clamp_(-65504, 65504)
+        return x
 
 
-class _Rows:
-    """Where each kind of row sits in the ragged row buffer `[prefix 0 | prefix 1 | ... | targets]`."""
-
-    def __init__(self, prefix_lens, samples: int, target_len: int, groups: list[list[int]], with_prefix: bool):
-        self.prefix_spans = []
-        start = 0
-        for length in prefix_lens if with_prefix else ():
-            self.prefix_spans.append((start, start + length))
-            start += length
-        self.target_start = start
-        self.samples, self.target_len = samples, target_len
-        self.groups = groups  # sample indices reading each prefix
+def _readers(sample_prefix: list[int], num_prefixes: int) -> tuple:
+    """Per prefix, its samples as a slice when consecutive (a view, no gather), a list otherwise, None if none."""
+    readers = []
+    for g in range(num_prefixes):
+        members = [b for b, p in enumerate(sample_prefix) if p == g]
+        if not members:
+            readers.append(None)
+        elif members == list(range(members[0], members[-1] + 1)):
+            readers.append(slice(members[0], members[-1] + 1))
+        else:
+            readers.append(members)
+    return tuple(readers)
 
 
 class QwenImage21DiT(nn.Module):
-    """The Qwen-Image 2.1 DiT. Parameter names are ours; `dit_loading` maps both file layouts onto them."""
+    """The Qwen-Image 2.1 DiT. Parameter names are ours; `dit_loading` maps both file layouts onto them.
+
+    `forward` = `prepare` (embeddings, modulation rows, the `Rows` of this call) + each block + `final_layer`.
+    """
 
     def __init__(self, config: DiTConfig = DiTConfig(), device=None, dtype=None, attention: str = "sdpa"):
         super().__init__()
@@ -183,6 +351,8 @@ class QwenImage21DiT(nn.Module):
         self.config = config
         self.attention = attention
         self.compute_dtype = dtype or torch.float32
+        self.source = None  # what the loader read (dit_loading.DiTSource); None for a model built in code
+        self.manager = None  # the host's memory-management handle (nodes/bridge.py keeps ComfyUI's patcher here)
         width = config.width
         self.time_embed = TimestepEmbedding(width, device=device, dtype=dtype)
         self.txt_in = TextProjection(config.context_in_dim, width, config.eps, device=device, dtype=dtype)
@@ -193,18 +363,146 @@ class QwenImage21DiT(nn.Module):
         self.norm_out = Linear(width, width, device=device, dtype=dtype)  # final scale only, no shift
         self.proj_out = Linear(width, config.out_channels, device=device, dtype=dtype)
 
+    # -- forward --------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        target: torch.Tensor,
+        timestep: torch.Tensor | float,
+        prefixes: list[PrefixInputs],
+        sample_prefix: list[int] | None = None,
+        cache: PrefixKVCache | None = None,
+        mode: str = "uncached",
+        attention: str | None = None,
+        after_block: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Velocity for the target rows.
+
+        Args:
+            target: `(B, T, in_channels)` packed (row-major) normalised target latents.
+            timestep: `(B,)` or scalar t in [0, 1] (the sigma as the reference pipeline rounds it).
+            prefixes: the distinct prompts of the batch (their layouts must share the target size).
+            sample_prefix: index into `prefixes` for each sample; default: all samples read prefix 0 when
+                there is one prefix, else sample b reads prefix b.
+            cache: the `PrefixKVCache` to fill (`mode="prefill"`) or read (`mode="cached"`).
+            mode: "uncached" (no cache), "prefill" (full sequence, fills `cache`) or "cached" (target rows only).
+            attention: prefill backend for this call, "sdpa" or "flex"; default: the model's.
+            after_block: called with each block's index after it ran (interrupt checks inside a step).
+        Returns:
+            `(B, T, out_channels)` in the compute dtype.
+        """
+        x, mods, final_scale, rows = self.prepare(target, timestep, prefixes, sample_prefix, cache, mode, attention)
+        last = len(self.blocks) - 1
+        for index, block in enumerate(self.blocks):
+            x = block(x, mods, rows, cache.layer_kv(index) if cache is not None else None, drop_prefix=index == last)
+            if after_block is not None:
+                after_block(index)
+        return self.final_layer(x, final_scale, rows)
+
+    def prepare(self, target, timestep, prefixes, sample_prefix=None, cache=None, mode="uncached", attention=None):
+        """Everything before the first block: `(x, mods, final_scale, rows)`.
+
+        `x` is the row buffer `(rows, width)`, `mods` the modulation rows `(B + 1, 4 * width)` every block
+        reads, `final_scale` the output head's `(B + 1, width)`, `rows` the buffer's `Rows`. A prefill
+        allocates `cache`; a cached step checks it was filled for these prefixes.
+        """
+        config = self.config
+        self._check_mode(mode, cache)
+        samples, target_len = target.shape[:2]
+        sample_prefix = self._sample_prefix(sample_prefix, len(prefixes), samples)
+        for prefix in prefixes:
+            if prefix.layout.target_len != target_len:
+                raise ValueError(
+                    f"target has {target_len} tokens but a layout was built for {prefix.layout.target_shape} "
+                    f"({prefix.layout.target_len} tokens)."
+                )
+        dtype, device = self.compute_dtype, target.device
+
+        # Timestep rows: one per sample, plus the t = 0 row every prefix row reads under causal_condition.
+        t = torch.as_tensor(timestep, device=device).reshape(-1).expand(samples).to(dtype)
+        if config.causal_condition:
+            t = torch.cat([t, t.new_zeros(1)])
+            prefix_mod_rows = (samples,) * len(prefixes)
+        else:
+            if sample_prefix != list(range(samples)):
+                raise ValueError("without causal_condition every sample needs its own prefix (prefix b for sample b).")
+            prefix_mod_rows = tuple(range(len(prefixes)))
+        temb_act = F.silu(self.time_embed(t, dtype))
+        mods = self.modulation(temb_act)  # (B + 1, 4 * width)
+        final_scale = self.norm_out(temb_act)
+
+        with_prefix = mode != "cached"
+        prefix_lens = tuple(p.layout.prefix_len for p in prefixes)
+        spans, start = [], 0
+        for length in prefix_lens if with_prefix else ():
+            spans.append((start, start + length))
+            start += length
+        x = self.img_in(target.to(dtype)).flatten(0, 1)
+        if with_prefix:
+            x = torch.cat([self._embed_prefix(p, dtype, device) for p in prefixes] + [x])
+
+        if mode == "prefill":
+            cache.allocate(prefix_lens, config.num_layers, config.num_heads, config.head_dim, dtype, device)
+        elif mode == "cached":
+            cache.check_compatible(prefix_lens, config.num_layers, config.num_heads, config.head_dim)
+        rows = Rows(
+            mode=mode,
+            prefix_spans=tuple(spans),
+            prefix_lens=prefix_lens,
+            samples=samples,
+            target_len=target_len,
+            readers=_readers(sample_prefix, len(prefixes)),
+            prefix_mod_rows=prefix_mod_rows,
+            rope=self._rope(prefixes, sample_prefix, with_prefix, device),
+            prefix_attention=(
+                self._prefix_attention(prefixes, attention or self.attention, device) if with_prefix else None
+            ),
+        )
+        return x, mods, final_scale, rows
+
+    def final_layer(self, x: torch.Tensor, final_scale: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """Target rows `(B * T, width)` -> velocity `(B, T, out_channels)`: scaled LayerNorm, projection."""
+        x = x.view(rows.samples, rows.target_len, -1)
+        x = layer_norm(x, self.config.eps) * (1 + final_scale[: rows.samples, None])
+        return self.proj_out(x)
+
     # -- pieces ---------------------------------------------------------------------------------------------
-    def _layer_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), eps=self.config.eps)
+    def _check_mode(self, mode: str, cache) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        if mode == "uncached":
+            if cache is not None:
+                raise ValueError("a cache was passed with mode='uncached'; use mode='prefill' to fill it.")
+            return
+        if not self.config.causal_condition:
+            raise ValueError(
+                "the prefix KV cache needs causal_condition=True: only then are text and reference rows "
+                "modulated with t = 0 and independent of the step. Run this model with mode='uncached'."
+            )
+        if cache is None:
+            raise ValueError(f"mode={mode!r} needs a PrefixKVCache to {'fill' if mode == 'prefill' else 'read'}.")
 
-    def _rope_tables(self, layout: SequenceLayout, device) -> dict:
+    def _rope(self, prefixes, sample_prefix, with_prefix: bool, device) -> torch.Tensor:
+        """The rotations of every buffer row, `(rows, head_dim / 2)` complex; built once per run and reused
+        by every step (layouts live for a run, so the memo sits on the first prefix's layout)."""
+        axes, theta = self.config.axes_dims_rope, self.config.rope_theta
+        layouts = tuple(p.layout for p in prefixes)
+
+        def table(layout, part):
+            positions = layout.prefix_positions if part == "prefix" else layout.target_positions
+            key = ("rope", part, str(device), axes)
+            return layout.memo(key, lambda: rope_angles(positions.to(device), axes, theta))
+
         def build():
-            axes, theta = self.config.axes_dims_rope, self.config.rope_theta
-            prefix = rope_angles(layout.prefix_positions.to(device), axes, theta)
-            target = rope_angles(layout.target_positions.to(device), axes, theta)
-            return {"prefix": prefix, "target": target}
+            parts = [table(layout, "prefix") for layout in layouts] if with_prefix else []
+            parts += [table(layouts[g], "target") for g in sample_prefix]
+            # the value keeps the layouts alive, so the identity check below can never match a reused id
+            return layouts, torch.cat(parts) if len(parts) > 1 else parts[0]
 
-        return layout.memo(("rope", str(device), self.config.axes_dims_rope), build)
+        key = ("rows_rope", str(device), axes, tuple(map(id, layouts)), tuple(sample_prefix), with_prefix)
+        kept_layouts, rope = layouts[0].memo(key, build)
+        if any(a is not b for a, b in zip(kept_layouts, layouts)):
+            rope = build()[1]
+        return rope
 
     def _embed_prefix(self, prefix: PrefixInputs, dtype, device) -> torch.Tensor:
         """`(P, width)` prefix rows: projected text in its rows, projected reference latents in theirs."""
@@ -221,167 +519,10 @@ class QwenImage21DiT(nn.Module):
             rows[layout.ref_dst.to(device)] = self.img_in(prefix.references.to(device=device, dtype=dtype))
         return rows
 
-    def _modulate(self, x, scale, rows: _Rows, prefix_rows) -> torch.Tensor:
-        """`x * (1 + scale)` with each row's own modulation row: `prefix_rows[g]` for prefix g, sample b's row
-        for sample b's target rows."""
-        out = torch.empty_like(x)
-        for (start, end), row in zip(rows.prefix_spans, prefix_rows):
-            torch.mul(x[start:end], 1 + scale[row], out=out[start:end])
-        target = x[rows.target_start :].view(rows.samples, rows.target_len, -1)
-        torch.mul(target, 1 + scale[: rows.samples, None], out=out[rows.target_start :].view_as(target))
-        return out
-
-    def _gated_add(self, x, gate, update, rows: _Rows, prefix_rows) -> None:
-        """`x += tanh(gate) * update`, in place, with the same row selection as `_modulate`."""
-        gate = gate.tanh()
-        for (start, end), row in zip(rows.prefix_spans, prefix_rows):
-            x[start:end] += gate[row] * update[start:end]
-        target = x[rows.target_start :].view(rows.samples, rows.target_len, -1)
-        target += gate[: rows.samples, None] * update[rows.target_start :].view_as(target)
-
-    # -- the block ----------------------------------------------------------------------------------------
-    def _block(self, index, x, mods, rows, prefix_rows, prefixes, cache, mode, rope, prefix_attn):
-        config, block = self.config, self.blocks[index]
-        heads, head_dim = config.num_heads, config.head_dim
-        scale1, gate1, scale2, gate2 = mods.chunk(4, dim=-1)
-        last = index == config.num_layers - 1
-
-        h = self._modulate(self._layer_norm(x), scale1, rows, prefix_rows)
-        width = config.width
-        # One weight [q; k; v], two GEMMs: [q; k] and v land in separate dense buffers, so every later
-        # elementwise kernel and the K/V concatenation run on contiguous memory (a single [q; k; v] output
-        # leaves q, k and v as gapped views, which GPUs copy through slow strided kernels).
-        qk = block.qkv.rows(h, 0, 2 * width).unflatten(-1, (2, heads, head_dim)).transpose(0, 1)  # (2, N, H, D)
-        v = block.qkv.rows(h, 2 * width, 3 * width).unflatten(-1, (heads, head_dim))  # (N, H, D)
-        qk = qk.to(torch.float32, memory_format=torch.contiguous_format)  # q and k normed and rotated together
-        qk = head_rms_norm(qk, torch.stack([block.norm_q, block.norm_k])[:, None, None], config.eps).to(v.dtype)
-        q, k = apply_rope(qk, rope[None, :, None]).unbind(0)  # (N, H, D) each, contiguous
-
-        # The last block needs the prefix rows only as keys and values: drop them before anything else.
-        first_out = rows.target_start if last else 0
-        attn = torch.empty(x.shape[0] - first_out, heads, head_dim, dtype=v.dtype, device=v.device)
-        prefix_kv = []
-        for g, (start, end) in enumerate(rows.prefix_spans):
-            if mode == "prefill":
-                cache.store(g, index, k[start:end], v[start:end])
-            prefix_kv.append((k[start:end], v[start:end]))
-            if not last:
-                attn[start:end] = prefix_attn(g, q[start:end], k[start:end], v[start:end])
-        if mode == "cached":
-            prefix_kv = [cache.layer(g, index) for g in range(len(rows.groups))]
-
-        t0, samples, length = rows.target_start, rows.samples, rows.target_len
-        q_t, k_t, v_t = (tensor[t0:].view(samples, length, heads, head_dim) for tensor in (q, k, v))
-        attn_t = attn[t0 - first_out :].view(samples, length, heads, head_dim)
-        for g, members in enumerate(rows.groups):
-            if not members:
-                continue
-            pick = slice(members[0], members[-1] + 1) if members == list(range(members[0], members[-1] + 1)) else members
-            attn_t[pick] = target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
-
-        if last:
-            x = x[t0:]
-            rows = _Rows((), samples, length, rows.groups, with_prefix=False)
-        attn_out = block.to_out(attn.flatten(1))
-        self._gated_add(x, gate1, attn_out, rows, prefix_rows)
-        mlp_out = block.mlp(self._modulate(self._layer_norm(x), scale2, rows, prefix_rows))
-        self._gated_add(x, gate2, mlp_out, rows, prefix_rows)
-        if x.dtype == torch.float16:
-            x = x.clamp_(-65504, 65504)
-        return x, rows
-
-    # -- forward --------------------------------------------------------------------------------------------
-    def forward(
-        self,
-        target: torch.Tensor,
-        timestep: torch.Tensor | float,
-        prefixes: list[PrefixInputs],
-        sample_prefix: list[int] | None = None,
-        cache: PrefixKVCache | None = None,
-        mode: str = "uncached",
-        attention: str | None = None,
-    ) -> torch.Tensor:
-        """Velocity for the target rows.
-
-        Args:
-            target: `(B, T, in_channels)` packed (row-major) normalised target latents.
-            timestep: `(B,)` or scalar t in [0, 1] (the sigma as the reference pipeline rounds it).
-            prefixes: the distinct prompts of the batch (their layouts must share the target size).
-            sample_prefix: index into `prefixes` for each sample; default: all samples read prefix 0 when
-                there is one prefix, else sample b reads prefix b.
-            cache: the `PrefixKVCache` to fill (`mode="prefill"`) or read (`mode="cached"`).
-            mode: "uncached" (no cache), "prefill" (full sequence, fills `cache`) or "cached" (target rows only).
-            attention: prefill backend for this call, "sdpa" or "flex"; default: the model's.
-        Returns:
-            `(B, T, out_channels)` in the compute dtype.
-        """
-        config = self.config
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-        if mode != "uncached":
-            if not config.causal_condition:
-                raise ValueError(
-                    "the prefix KV cache needs causal_condition=True: only then are text and reference rows "
-                    "modulated with t = 0 and independent of the step. Run this model with mode='uncached'."
-                )
-            if cache is None:
-                raise ValueError(f"mode={mode!r} needs a PrefixKVCache to {'fill' if mode == 'prefill' else 'read'}.")
-        elif cache is not None:
-            raise ValueError("a cache was passed with mode='uncached'; use mode='prefill' to fill it.")
-
-        samples, target_len = target.shape[:2]
-        sample_prefix = self._sample_prefix(sample_prefix, len(prefixes), samples)
-        for prefix in prefixes:
-            if prefix.layout.target_len != target_len:
-                raise ValueError(
-                    f"target has {target_len} tokens but a layout was built for {prefix.layout.target_shape} "
-                    f"({prefix.layout.target_len} tokens)."
-                )
-        groups = [[b for b, g in enumerate(sample_prefix) if g == index] for index in range(len(prefixes))]
-        dtype, device = self.compute_dtype, target.device
-        backend = attention or self.attention
-
-        # Timestep rows: one per sample, plus the t = 0 row every prefix row reads under causal_condition.
-        t = torch.as_tensor(timestep, device=device).reshape(-1).expand(samples).to(dtype)
-        if config.causal_condition:
-            t = torch.cat([t, t.new_zeros(1)])
-            prefix_rows = [samples] * len(prefixes)
-        else:
-            if sample_prefix != list(range(samples)):
-                raise ValueError("without causal_condition every sample needs its own prefix (prefix b for sample b).")
-            prefix_rows = list(range(len(prefixes)))
-        temb_act = F.silu(self.time_embed(t, dtype))
-        mods = self.modulation(temb_act)  # (B + 1, 4 * width)
-        final_scale = self.norm_out(temb_act)
-
-        with_prefix = mode != "cached"
-        rows = _Rows([p.layout.prefix_len for p in prefixes], samples, target_len, groups, with_prefix)
-        tables = [self._rope_tables(p.layout, device) for p in prefixes]
-        target_rope = torch.cat([tables[g]["target"] for g in sample_prefix])
-        parts = [self.img_in(target.to(dtype)).flatten(0, 1)]
-        rope_parts = [target_rope]  # (rows, head_dim / 2) complex, in row-buffer order
-        if with_prefix:
-            parts = [self._embed_prefix(p, dtype, device) for p in prefixes] + parts
-            rope_parts = [table["prefix"] for table in tables] + rope_parts
-        x = torch.cat(parts) if len(parts) > 1 else parts[0]
-        rope = torch.cat(rope_parts) if len(rope_parts) > 1 else rope_parts[0]
-
-        if mode == "prefill":
-            cache.allocate(rows_prefix_lens(prefixes), config.num_layers, config.num_heads, config.head_dim, dtype, device)
-        elif mode == "cached":
-            cache.check_compatible(rows_prefix_lens(prefixes), config.num_layers, config.num_heads, config.head_dim)
-        prefix_attn = self._prefix_attention(prefixes, backend, device) if with_prefix else None
-
-        for index in range(config.num_layers):
-            x, rows = self._block(index, x, mods, rows, prefix_rows, prefixes, cache, mode, rope, prefix_attn)
-
-        x = x.view(samples, target_len, -1)
-        x = self._layer_norm(x) * (1 + final_scale[:samples, None])
-        return self.proj_out(x)
-
     def _prefix_attention(self, prefixes, backend, device):
         if backend == "flex":
-            masks = [p.layout.memo(("flex", str(device)), lambda p=p: flex_block_mask(p.layout, device)) for p in prefixes]
+            key = ("flex", str(device))
+            masks = [p.layout.memo(key, lambda p=p: flex_block_mask(p.layout, device)) for p in prefixes]
             return lambda g, q, k, v: prefix_attention_flex(q, k, v, masks[g])
         if backend != "sdpa":
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {backend!r}.")
@@ -401,7 +542,3 @@ class QwenImage21DiT(nn.Module):
         if len(sample_prefix) != samples or not all(0 <= g < num_prefixes for g in sample_prefix):
             raise ValueError(f"sample_prefix must give each of the {samples} samples a prefix in [0, {num_prefixes}).")
         return sample_prefix
-
-
-def rows_prefix_lens(prefixes: list[PrefixInputs]) -> list[int]:
-    return [p.layout.prefix_len for p in prefixes]

@@ -1,44 +1,63 @@
 """Load the Qwen-Image 2.1 DiT from the files users have.
 
-Two layouts (CHECKPOINTS.md section 1):
+Two layouts (docs/checkpoints.md):
 - ComfyUI single file (`qwen_image_2.1_bf16.safetensors`, `..._turbo_bf16...`): bare keys, or keys under
   `model.diffusion_model.`; each block's MLP is one fused `img_mlp.gate_up` [gate; up].
 - diffusers folder (`Qwen-Image-2.1/` with `model_index.json`, or its `transformer/` folder): sharded
   safetensors with an index, split `img_mlp.gate_layer` / `img_mlp.proj`, `transformer/config.json`.
+A GGUF file (ComfyUI names, quantized) is read by `gguf_loading.py` with this module's key plan, config
+inference and Base/Turbo rule.
 
-Everything is decided from headers first (what the file is, its config, every tensor's shape), so a bad
-file is refused before any weight is allocated. The model is then built on the meta device and each
-parameter is filled straight from the file, so at most one extra tensor is alive at a time.
+Everything is decided from headers first (what the file is, its config, every tensor's shape and dtype),
+so a bad file is refused before any weight is allocated. The model is then built on the meta device and
+each parameter is filled straight from the file (tensor by tensor, through safetensors' lazy `safe_open` in
+`checkpoint.WeightReader`), so at most one extra tensor is alive at a time. Finding the files, JSON, dtype
+choice and tensor reading are the shared `checkpoint.py`; this module owns the DiT's detection, key map and
+config inference.
 """
 
-import json
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from .dit import DiTConfig, QwenImage21DiT
-from .safetensors_io import (
+from .checkpoint import (
+    FILE_DTYPES,
+    FP8_FILE_DTYPES,
     CheckpointError,
     TensorInfo,
+    WeightFiles,
+    WeightReader,
+    check_dtypes,
+    choose_dtype,
+    count_indexed,
+    find_weights,
     identify_checkpoint,
+    infos_of,
     quantization_marker,
-    read_headers,
-    read_sharded_index,
+    read_json,
+    read_weight_headers,
+    rename_keys,
 )
+from .dit import DiTConfig, QwenImage21DiT
 
 COMFY_PREFIX = "model.diffusion_model."
 DETECT_KEYS = ("txt_in.text_norm.weight", "modulation.1.weight", "transformer_blocks.0.attn.norm_q.weight",
                "img_in.weight", "proj_out.weight")
-WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp32", "fp8_e4m3fn")
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# What the DiT loads as; fp8_e4m3fn stores the FP8_PARAMS weights in fp8 and computes in bf16.
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Linear weights stored in fp8 when asked: the block GEMMs (95% of the parameters). Embeddings, norms, the
-# shared modulation table and the output head stay in bf16, as they steer every token.
+# shared modulation table and the output head stay in bf16, as they steer every token. The same weights may
+# already be fp8 in a file (plain fp8 releases, without scales); anything else must be a float type.
 FP8_PARAMS = re.compile(r"blocks\.\d+\.(qkv|to_out|gate_up|down)\.weight")
-TURBO_SIGMAS = (1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568)
+DIFFUSERS_FOLDER = ("a diffusers Qwen-Image-2.1 folder (transformer/config.json + "
+                    "diffusion_pytorch_model*.safetensors)")
+# What to load when a quantized file cannot run here.
+QUANTIZED_INSTEAD = ("qwen_image_2.1_int8_convrot.safetensors (qwen_image_2.1_turbo_int8_convrot for Turbo) or "
+                     "the bf16 file")
 
 
 @dataclass(frozen=True)
@@ -46,9 +65,13 @@ class DiTSource:
     """What was loaded: the path, its layout, the variant ("base", "turbo" or "unknown") and how we know."""
 
     path: Path
-    layout: str  # "comfyui" or "diffusers"
+    layout: str  # "comfyui", "diffusers" or "gguf"
     variant: str
     variant_from: str
+    # A diffusers folder's own Turbo grid (`sample_sigmas` of model_index.json, else of the scheduler config),
+    # without the terminal 0; None when the files give none (single files, Base).
+    sigmas: tuple[float, ...] | None = None
+    quantized: tuple[str, ...] = ()  # the formats of a ComfyUI quantized file ("int8_tensorwise", ...)
 
 
 def _file_plan(config: DiTConfig, fused_mlp: bool) -> dict[str, list[str]]:
@@ -71,7 +94,8 @@ def _file_plan(config: DiTConfig, fused_mlp: bool) -> dict[str, list[str]]:
         plan[dst + "norm_k"] = [src + "attn.norm_k.weight"]
         plan[dst + "to_out.weight"] = [src + "attn.to_out.0.weight"]
         plan[dst + "gate_up.weight"] = (
-            [src + "img_mlp.gate_up.weight"] if fused_mlp else [src + "img_mlp.gate_layer.weight", src + "img_mlp.proj.weight"]
+            [src + "img_mlp.gate_up.weight"] if fused_mlp
+            else [src + "img_mlp.gate_layer.weight", src + "img_mlp.proj.weight"]
         )
         plan[dst + "down.weight"] = [src + "img_mlp.out.weight"]
     return plan
@@ -80,13 +104,13 @@ def _file_plan(config: DiTConfig, fused_mlp: bool) -> dict[str, list[str]]:
 def convert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A file-layout state dict (diffusers or ComfyUI, any prefix) as our parameter names, in memory."""
     state_dict = {_strip(k): v for k, v in state_dict.items()}
-    config = infer_config({k: TensorInfo(str(v.dtype), tuple(v.shape), Path("<memory>")) for k, v in state_dict.items()})
+    config = infer_config(infos_of(state_dict))
     fused = "transformer_blocks.0.img_mlp.gate_up.weight" in state_dict
     return {name: torch.cat([state_dict[k] for k in keys]) for name, keys in _file_plan(config, fused).items()}
 
 
 def _strip(key: str) -> str:
-    return key[len(COMFY_PREFIX):] if key.startswith(COMFY_PREFIX) else key
+    return key.removeprefix(COMFY_PREFIX)
 
 
 def infer_config(tensors: dict[str, TensorInfo], where: str = "checkpoint") -> DiTConfig:
@@ -102,13 +126,15 @@ def infer_config(tensors: dict[str, TensorInfo], where: str = "checkpoint") -> D
         )
     head_dim = tensors["transformer_blocks.0.attn.norm_q.weight"].shape[0]
     width, in_channels = tensors["img_in.weight"].shape
-    layers = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"transformer_blocks\.(\d+)\.", k)))
+    layers = count_indexed(tensors, r"transformer_blocks\.(\d+)\.")
     if "transformer_blocks.0.img_mlp.gate_up.weight" in tensors:
         hidden = tensors["transformer_blocks.0.img_mlp.gate_up.weight"].shape[0] // 2
     else:
         hidden = tensors["transformer_blocks.0.img_mlp.proj.weight"].shape[0]
     if width % head_dim or hidden % width or head_dim % 32:
-        raise CheckpointError(f"{where}: width {width}, head size {head_dim} and MLP size {hidden} do not fit together.")
+        raise CheckpointError(
+            f"{where}: width {width}, head size {head_dim} and MLP size {hidden} do not fit together."
+        )
     # RoPE axes are not in the weights: the release splits its 128-dim heads 16/56/56, i.e. 1/8 + 7/16 + 7/16.
     rope_axes = (head_dim // 8, head_dim * 7 // 16, head_dim * 7 // 16)
     return DiTConfig(
@@ -125,10 +151,7 @@ def infer_config(tensors: dict[str, TensorInfo], where: str = "checkpoint") -> D
 
 def _config_from_json(path: Path, inferred: DiTConfig) -> DiTConfig:
     """Cross-check `transformer/config.json` with the shapes; it adds what shapes cannot say."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: unreadable config ({error}).")
+    data = read_json(path, "transformer config.json")
     if data.get("_class_name", "QwenImage21Transformer2DModel") != "QwenImage21Transformer2DModel":
         raise CheckpointError(f"{path} describes a {data['_class_name']}, not a QwenImage21Transformer2DModel.")
     if data.get("patch_size", 1) != 1:
@@ -156,65 +179,100 @@ def _variant_from_name(path: Path) -> tuple[str, str]:
     return "unknown", "nothing in the files says"
 
 
-def resolve_source(path: str | Path) -> tuple[list[Path], Path | None, DiTSource]:
-    """Files to read, the config.json (if any) and what the source is."""
-    path = Path(path)
-    if path.is_file():
-        variant, why = _variant_from_name(path)
-        return [path], None, DiTSource(path, "comfyui", variant, why)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such file or folder.")
-    root, folder = (path, path / "transformer") if (path / "transformer").is_dir() else (path.parent, path)
-    variant, why = _variant_from_name(root)
-    model_index = root / "model_index.json"
-    if model_index.is_file():
-        try:
-            sigmas = json.loads(model_index.read_text()).get("sample_sigmas")
-        except (OSError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"{model_index}: unreadable ({error}).")
+def _locate(path) -> tuple[WeightFiles, DiTSource]:
+    """The weight files and what the source is; a diffusers root's model_index.json tells Base from Turbo."""
+    weights = find_weights(path, "transformer", DIFFUSERS_FOLDER)
+    if weights.single_file:
+        return weights, DiTSource(weights.path, "comfyui", *_variant_from_name(weights.path))
+    variant, why = _variant_from_name(weights.root)
+    grid = None
+    if weights.model_index is not None:
+        sigmas = read_json(weights.model_index, "model_index.json").get("sample_sigmas")
         variant, why = ("turbo" if sigmas else "base"), "model_index.json sample_sigmas"
-    indexes = sorted(folder.glob("*.safetensors.index.json"))
-    if indexes:
-        files = read_sharded_index(indexes[0])
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"{folder}: no .safetensors weights found. Expected a diffusers Qwen-Image-2.1 folder "
-            "(transformer/config.json + diffusion_pytorch_model*.safetensors)."
-        )
-    config_path = folder / "config.json"
-    return files, (config_path if config_path.is_file() else None), DiTSource(root, "diffusers", variant, why)
+        grid = _sigmas(sigmas, weights.model_index)
+    scheduler = weights.root / "scheduler" / "scheduler_config.json"
+    if grid is None and not weights.single_file and scheduler.is_file():
+        grid = _sigmas(read_json(scheduler, "scheduler config").get("sample_sigmas"), scheduler)
+        if grid is not None:
+            variant, why = "turbo", "scheduler_config.json sample_sigmas"
+    return weights, DiTSource(weights.root, "diffusers", variant, why, sigmas=grid)
+
+
+def _sigmas(value, path: Path) -> tuple[float, ...] | None:
+    """A stored Turbo grid: finite, decreasing, in (0, 1], at most 1000 (a terminal 0 is dropped); None if absent."""
+    if not value:
+        return None
+    ok = isinstance(value, list) and len(value) <= 1001 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+    grid = tuple(float(v) for v in value) if ok else ()
+    if grid and grid[-1] == 0.0:
+        grid = grid[:-1]
+    if not grid or not all(0.0 < v <= 1.0 for v in grid) or any(b >= a for a, b in zip(grid, grid[1:])):
+        raise CheckpointError(f"{path}: sample_sigmas must be a list of decreasing numbers in (0, 1], got "
+                              f"{str(value)[:200]}. Download the file again.")
+    return grid
+
+
+def is_gguf(path) -> bool:
+    """A GGUF file: named `.gguf`, or starting with the GGUF magic."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str = "auto") -> QwenImage21DiT:
-    """Load a Qwen-Image 2.1 DiT file or diffusers folder; `model.source` says what was loaded."""
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}.")
-    files, config_path, source = resolve_source(path)
-    raw, metadata = read_headers(files)
-    tensors = {_strip(key): info for key, info in raw.items()}
+    """Load a Qwen-Image 2.1 DiT file or diffusers folder; `model.source` says what was loaded.
+
+    `weight_dtype`: "default" (the file's float type), "bf16", "fp16", "fp32", "fp8_e4m3fn" (block weights
+    stored in fp8, computed in bf16) or a torch dtype. A GGUF file goes to `gguf_loading.load_gguf_dit`.
+    """
+    if is_gguf(path):
+        from .gguf_loading import load_gguf_dit  # imports the gguf package, needed only for GGUF files
+
+        return load_gguf_dit(path, weight_dtype, device, attention)
+    weights, source = _locate(path)
+    raw, metadata = read_weight_headers(weights)
     where = str(source.path.name)
-    marker = quantization_marker(tensors, metadata)
-    if marker is not None:
-        raise CheckpointError(
-            f"{where} is a quantized checkpoint ({marker}); this pack loads bf16/fp16/fp32 files and stores fp8 "
-            "itself (weight_dtype=fp8_e4m3fn). Use qwen_image_2.1_bf16.safetensors."
-        )
+    file_keys = rename_keys(raw, _strip, where)  # {key without the ComfyUI prefix: key in the file}
+    tensors = {key: raw[file_key] for key, file_key in file_keys.items()}
+    quant = None
+    if quantization_marker(tensors, metadata) is not None:  # a ComfyUI quantized file (model/quantized.py)
+        from .quantized import plan_quantization  # comfy-kitchen is imported only for quantized files
+
+        with WeightReader(raw) as blobs:
+            quant = plan_quantization(tensors, metadata, lambda key: blobs.read(file_keys[key]), where,
+                                      QUANTIZED_INSTEAD, rename=_strip)
+        tensors = quant.logical(tensors)  # the scales dropped, each quantized weight with its [out, in] shape
+        source = replace(source, quantized=tuple(quant.formats))
     config = infer_config(tensors, where)
-    if config_path is not None:
-        config = _config_from_json(config_path, config)
+    if weights.config is not None:
+        config = _config_from_json(weights.config, config)
     fused = "transformer_blocks.0.img_mlp.gate_up.weight" in tensors
     plan = _file_plan(config, fused)
     _check_shapes(plan, tensors, config, where)
+    floats, fp8_ok = tuple(FILE_DTYPES), tuple(FILE_DTYPES) + tuple(FP8_FILE_DTYPES)
+    check_dtypes(tensors, {key: fp8_ok if FP8_PARAMS.fullmatch(name) else floats
+                           for name, keys in plan.items() for key in keys}, where, "DiT")
 
-    file_dtype = FILE_DTYPES.get(tensors["img_in.weight"].dtype, torch.bfloat16)
-    compute = {"default": file_dtype, "fp8_e4m3fn": torch.bfloat16}.get(weight_dtype) or TORCH_DTYPES[weight_dtype]
+    stored = choose_dtype(weight_dtype, tensors["img_in.weight"].dtype, DTYPES, "DiT")
+    fp8 = stored == torch.float8_e4m3fn
+    if fp8 and quant is not None:
+        raise ValueError(f"{where} is already quantized ({', '.join(quant.formats)}); weight_dtype fp8_e4m3fn does "
+                         "not apply to it. Use default, bf16, fp16 or fp32 (the compute dtype of its other layers).")
+    compute = torch.bfloat16 if fp8 else stored
     backend = "sdpa" if attention == "auto" else attention
     with torch.device("meta"):
         model = QwenImage21DiT(config, dtype=compute, attention=backend)
     try:
-        _fill(model, plan, tensors, compute, weight_dtype == "fp8_e4m3fn", torch.device(device))
+        with WeightReader(raw) as reader:
+            _fill(model, plan, file_keys, reader, compute, fp8, torch.device(device), quant)
     except BaseException:
         del model  # nothing half-loaded stays alive, also on KeyboardInterrupt
         raise
@@ -244,32 +302,43 @@ def _check_shapes(plan, tensors, config: DiTConfig, where: str) -> None:
         expected = tuple(reference[name].shape)
         got = (rows, *tensors[keys[0]].shape[1:])
         if got != expected or any(tensors[k].shape[1:] != tensors[keys[0]].shape[1:] for k in keys):
-            raise CheckpointError(f"{where}: {keys[0]} has shape {tensors[keys[0]].shape}, expected rows of {expected}.")
+            raise CheckpointError(
+                f"{where}: {keys[0]} has shape {tensors[keys[0]].shape}, expected rows of {expected}."
+            )
 
 
-def _fill(model, plan, tensors, compute, fp8: bool, device) -> None:
-    from safetensors import safe_open
+def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute, fp8: bool, device,
+          quant=None) -> None:
+    """Each parameter built in memory of its own and filled part by part (the file's views are only copied from).
 
-    handles = {}
-    try:
-        for name, keys in plan.items():
-            module_name, _, attr = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            dtype = torch.float8_e4m3fn if fp8 and FP8_PARAMS.fullmatch(name) else compute
-            shape = getattr(module, attr).shape
-            target = torch.empty(shape, dtype=dtype, device=device)
-            row = 0
-            for key in keys:
-                file = tensors[key].file
-                if file not in handles:
-                    handles[file] = safe_open(str(file), framework="pt", device="cpu")
-                original = key if key in handles[file].keys() else COMFY_PREFIX + key
-                part = handles[file].get_tensor(original)
-                if dtype == torch.float8_e4m3fn:
-                    part = part.float().clamp_(-FP8_MAX, FP8_MAX)
-                target[row : row + part.shape[0]].copy_(part)
-                row += part.shape[0]
-                del part
+    A quantized file's layers become `quantized.QuantLinear`s (one segment per file tensor, kept in the file's
+    formats). fp8_e4m3fn on a float file runs through the same fp8 Linear when comfy-kitchen is installed, else
+    the plain fp8 weight (upcast per GEMM)."""
+    if quant is not None:
+        quant.check_targets(model, plan)  # before any weight is read
+    fp8_linear = None
+    if fp8:
+        from .quantized import QuantLinear, kitchen_installed
+
+        fp8_linear = QuantLinear.from_fp8 if kitchen_installed() else None
+    for name, keys in plan.items():
+        if quant is not None and quant.fill_linear(model, name, keys, lambda key: reader.read(file_keys[key]),
+                                                   compute, device):
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        dtype = torch.float8_e4m3fn if fp8 and FP8_PARAMS.fullmatch(name) else compute
+        target = torch.empty(getattr(module, attr).shape, dtype=dtype, device=device)
+        row = 0
+        for key in keys:
+            part = reader.read(file_keys[key])
+            if dtype == torch.float8_e4m3fn:
+                part = part.float().clamp_(-FP8_MAX, FP8_MAX)
+            target[row : row + part.shape[0]].copy_(part)
+            row += part.shape[0]
+            del part
+        if dtype == torch.float8_e4m3fn and fp8_linear is not None:
+            parent, _, leaf = module_name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, fp8_linear(target, compute))
+        else:
             setattr(module, attr, torch.nn.Parameter(target, requires_grad=False))
-    finally:
-        handles.clear()

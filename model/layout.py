@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-LATENT_TOKENS_PER_SLOT = 4  # one VLM image token covers 32x32 px, one latent token 16x16 px
+from .latents import LATENT_TOKENS_PER_SLOT
 
 
 def _grid_ids(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +87,10 @@ def build_layout(
     """
     image_slots = image_slots.detach().to("cpu", torch.bool).reshape(-1)
     slots = image_slots.tolist()
-    valid = [True] * len(slots) if text_valid is None else text_valid.detach().to("cpu", torch.bool).reshape(-1).tolist()
+    if text_valid is None:
+        valid = [True] * len(slots)
+    else:
+        valid = text_valid.detach().to("cpu", torch.bool).reshape(-1).tolist()
     if len(valid) != len(slots):
         raise ValueError(f"text_valid has {len(valid)} positions but image_slots has {len(slots)}.")
     ref_shapes = tuple((int(h), int(w)) for h, w in ref_shapes)

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from .conditioning import Conditioning
+from .latents import RELEASED_LATENT_FORMAT, LatentFormat
 from .references import PreparedReference
 from .text_encoder import QwenImageTextEncoder
 from .vae import QwenImage21VAE
 
 MAX_REFERENCES = 10  # the released model's limit (`<image1>`..`<image10>`)
-DEFAULT_SIZE = 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,6 +24,7 @@ class Reference:
     prepared: PreparedReference
     tokens: torch.Tensor  # (h*w, 64) normalised latents, row-major, fp32 on the CPU
     shape: tuple[int, int]  # latent (h, w)
+    latent_format: LatentFormat = RELEASED_LATENT_FORMAT  # the statistics `tokens` were normalised with
 
 
 @torch.no_grad()
@@ -35,8 +36,9 @@ def encode_prepared(vae: QwenImage21VAE, prepared: PreparedReference, tiled: boo
             f"The VAE encoded the {prepared.width}x{prepared.height} reference to NaN/inf latents (it runs in "
             f"{next(vae.parameters()).dtype}); load the VAE with weight_dtype bf16 or fp32."
         )
-    latents = vae.normalize(raw.float())[0]
-    return Reference(prepared, latents.flatten(1).T.contiguous().cpu(), tuple(latents.shape[1:]))
+    latent_format = vae.latent_format
+    latents = latent_format.normalize(raw.float())[0]
+    return Reference(prepared, latents.flatten(1).T.contiguous().cpu(), tuple(latents.shape[1:]), latent_format)
 
 
 def check_room_for_reference(previous) -> None:
@@ -64,23 +66,17 @@ def encode_prompt(text_encoder: QwenImageTextEncoder, prompt: str, references=()
             f"{text_encoder.dtype}); load it with weight_dtype bf16 or fp32."
         )
     tokens = torch.cat([r.tokens for r in references]) if references else None
+    formats = {r.latent_format for r in references}
+    if len(formats) > 1:
+        raise ValueError("the references were encoded by VAEs with different latent statistics; encode every "
+                         "reference with the same Qwen-Image 2.1 VAE.")
     return Conditioning(
         text=encoded.embeds.detach().float().cpu(),
         image_slots=encoded.image_slots.detach().cpu(),
         references=tokens,
         ref_shapes=tuple(r.shape for r in references),
+        latent_format=formats.pop() if formats else RELEASED_LATENT_FORMAT,
     )
-
-
-def target_size(width: int, height: int, conditioning: Conditioning) -> tuple[int, int]:
-    """The size to generate: a 0 side follows the last reference (the reference pipeline's default: its area
-    ~ resolution^2 in the reference's aspect), or 1024 without references. Sides are floored to x32 later."""
-    if conditioning.ref_shapes:
-        last_h, last_w = conditioning.ref_shapes[-1]
-        default_w, default_h = last_w * 16, last_h * 16
-    else:
-        default_w = default_h = DEFAULT_SIZE
-    return (width or default_w), (height or default_h)
 
 
 @torch.no_grad()
@@ -89,3 +85,59 @@ def decode_images(vae: QwenImage21VAE, raw_latents: torch.Tensor, tiled: bool | 
     pixels = vae.decode(raw_latents, tiled=tiled).float().cpu()  # (B, 4, H, W) in [-1, 1]
     rgba = ((pixels + 1) / 2).clamp(0, 1).movedim(1, -1).contiguous()
     return rgba[..., :3].contiguous(), 1.0 - rgba[..., 3], rgba
+
+
+@torch.no_grad()
+def encode_images(vae: QwenImage21VAE, image, mask=None, tiled: bool | None = None) -> tuple[torch.Tensor, str | None]:
+    """ComfyUI IMAGE `[B, H, W, C]` (C = 3 or 4; 1 = grey) and optional MASK (1 = transparent) -> raw VAE latents
+    `(B, 64, H/16, W/16)` fp32 on the CPU, and a note when the image was cropped.
+
+    RGB gets an opaque alpha; a mask replaces the alpha (alpha = 1 - mask). Pixels are used as they are (no 8-bit
+    rounding), `2x - 1`, as the reference pipeline's image processor does. Sides are centre-cropped to multiples
+    of 32, the sizes the samplers generate (ComfyUI crops to the VAE's 16 the same way).
+    """
+    pixels = torch.as_tensor(image).detach().to("cpu", torch.float32)
+    if pixels.ndim == 3:
+        pixels = pixels[None]
+    if pixels.ndim != 4 or pixels.shape[-1] not in (1, 3, 4) or 0 in pixels.shape:
+        raise ValueError(f"image must be a ComfyUI IMAGE [B, H, W, C] with C = 3 or 4; got {list(pixels.shape)}.")
+    if not torch.isfinite(pixels).all():
+        raise ValueError("image holds NaN or infinite values.")
+    if pixels.shape[-1] == 1:
+        pixels = pixels.expand(-1, -1, -1, 3)
+    if pixels.shape[-1] == 3:
+        pixels = torch.cat([pixels, torch.ones_like(pixels[..., :1])], dim=-1)
+    batch, height, width = pixels.shape[:3]
+    if mask is not None:
+        pixels = pixels.clone()
+        pixels[..., 3] = 1.0 - _mask_for(mask, batch, height, width)
+    note = None
+    crop_h, crop_w = height // 32 * 32, width // 32 * 32
+    if min(crop_h, crop_w) == 0:
+        raise ValueError(f"image is {width}x{height}; the VAE needs at least 32x32 pixels.")
+    if (crop_h, crop_w) != (height, width):
+        top, left = (height - crop_h) // 2, (width - crop_w) // 2
+        pixels = pixels[:, top : top + crop_h, left : left + crop_w]
+        note = f"image {width}x{height} centre-cropped to {crop_w}x{crop_h} (multiples of 32)"
+    x = (2.0 * pixels.clamp(0.0, 1.0) - 1.0).movedim(-1, 1).contiguous()  # (B, 4, H, W) in [-1, 1]
+    raw = torch.cat([vae.encode(x[i : i + 1], tiled=tiled).float().cpu() for i in range(batch)])
+    if not bool(torch.isfinite(raw).all()):
+        raise FloatingPointError(f"The VAE encoded the image to NaN/inf latents (it runs in {vae.dtype}); load the "
+                                 "VAE with weight_dtype bf16 or fp32.")
+    return raw, note
+
+
+def _mask_for(mask, batch: int, height: int, width: int) -> torch.Tensor:
+    """MASK `[H, W]` or `[B, H, W]` (1 = transparent) as `(batch, H, W)`: one mask broadcasts over the batch; a
+    constant mask of any size (LoadImage's 64x64 placeholder) is broadcast too; otherwise sizes must match."""
+    values = torch.as_tensor(mask).detach().to("cpu", torch.float32)
+    if values.ndim == 2:
+        values = values[None]
+    if values.ndim != 3 or values.numel() == 0 or values.shape[0] not in (1, batch):
+        raise ValueError(f"mask must be [H, W] or [B, H, W] with B = 1 or {batch}; got {list(values.shape)}.")
+    if tuple(values.shape[1:]) != (height, width):
+        if values.min() != values.max():
+            raise ValueError(f"mask is {values.shape[2]}x{values.shape[1]} but the image is {width}x{height}; "
+                             "resize the mask to the image first.")
+        values = values.flatten()[:1].view(1, 1, 1).expand(values.shape[0], height, width)
+    return values.clamp(0.0, 1.0).expand(batch, -1, -1)

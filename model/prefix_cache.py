@@ -31,14 +31,9 @@ class PrefixKVCache:
             torch.empty(layers, 2, p, heads, head_dim, dtype=dtype, device=device) for p in self.prefix_lens
         ]
 
-    def store(self, group: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Copy one layer's prefix keys/values `(P, heads, head_dim)` into the cache's own storage."""
-        self.kv[group][layer, 0].copy_(key)
-        self.kv[group][layer, 1].copy_(value)
-
-    def layer(self, group: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        entry = self.kv[group][layer]
-        return entry[0], entry[1]
+    def layer_kv(self, layer: int) -> "LayerKV":
+        """This cache as one block sees it: its own layer's keys and values."""
+        return LayerKV(self, layer)
 
     # -- lifetime -----------------------------------------------------------------------------------------
     @property
@@ -82,3 +77,23 @@ class PrefixKVCache:
                 f"the prefix cache was filled by a model with {shape[0]} layers of {shape[3]}x{shape[4]} heads, "
                 f"this one has {layers} layers of {heads}x{head_dim}."
             )
+
+
+class LayerKV:
+    """One layer's view of a `PrefixKVCache`: what a block fills in a prefill and reads in a cached step."""
+
+    __slots__ = ("cache", "layer")
+
+    def __init__(self, cache: PrefixKVCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def store(self, group: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy prefix `group`'s keys/values `(P, heads, head_dim)` into the cache's own storage."""
+        entry = self.cache.kv[group][self.layer]
+        entry[0].copy_(key)
+        entry[1].copy_(value)
+
+    def read(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix `group`'s keys and values `(P, heads, head_dim)` for this layer."""
+        entry = self.cache.kv[group][self.layer]
+        return entry[0], entry[1]

@@ -16,9 +16,10 @@ that one image to both. This module does the same:
 - VLM image: the resized RGBA pasted over white with its alpha as the mask (the pipeline's
   `_get_qwen_prompt_embeds`); the vision tower never sees alpha.
 
-The VLM's processor rescales anything outside [65536, 16777216] pixels (`processor/preprocessor_config.json`,
-CHECKPOINTS.md 4.2), after which its token grid no longer matches the latent grid, so such sizes are refused
-here with the `resolution` that would work. Pure PIL + numpy + torch: no torchvision, no ComfyUI.
+The VLM's processor rescales anything outside [65536, 16777216] pixels (`size` in the released
+`processor/preprocessor_config.json`, see docs/checkpoints.md), after which its token grid no longer matches
+the latent grid, so such sizes are refused here with the `resolution` that would work. Pure PIL + numpy +
+torch: no torchvision, no ComfyUI.
 """
 
 import math
@@ -28,11 +29,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-#: Pixels per side of one VLM image token: patch 16 x spatial merge 2 (CHECKPOINTS.md 4.6).
-VLM_TOKEN_PIXELS = 32
-#: Pixels per side of one latent token: the VAE's 16x compression (CHECKPOINTS.md 3.1).
-LATENT_TOKEN_PIXELS = 16
-#: The vision processor's `size.shortest_edge` / `size.longest_edge` (min / max pixels, CHECKPOINTS.md 4.2).
+from .latents import LATENT_TOKEN_PIXELS, VLM_TOKEN_PIXELS
+
+#: The vision processor's `size.shortest_edge` / `size.longest_edge`: min / max pixels (docs/checkpoints.md).
 MIN_VLM_PIXELS = 65536
 MAX_VLM_PIXELS = 16777216
 #: transformers' `smart_resize` refuses images more elongated than this.

@@ -1,22 +1,33 @@
-"""Safe, lazy access to safetensors checkpoints, and telling what a checkpoint is before loading it.
+"""Reading and checking one safetensors file's header: the format level that `checkpoint.py` builds on.
 
 Everything here reads only the header (8 bytes of length + JSON), so a wrong, truncated or foreign file is
-refused before a single weight is allocated. Pickle-based checkpoints (`.ckpt`, `.pt`, `.bin`) are
-recognised by their first bytes and never unpickled.
+refused before a single weight is allocated. The header is checked as completely as safetensors' own reader
+checks it (offsets, sizes, coverage of the data), because that reader would otherwise fail later with a bare
+`SafetensorError` that names no file; here every problem names the file, what is wrong and what to do.
+Pickle-based checkpoints (`.ckpt`, `.pt`, `.bin`) are recognised by their first bytes and never unpickled; GGUF
+files are named as such (the DiT loader reads them through `gguf_loading.py`, before this module is reached).
 """
 
 import json
+import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit; anything larger is not a safetensors header
+# A header is an object of tensor entries (objects holding short lists) plus a flat metadata object: 3 levels.
+# Nesting is bounded before parsing, so a hostile header cannot drive the JSON parser into a RecursionError.
+MAX_HEADER_DEPTH = 4
 
-DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+# Bits per element of every dtype safetensors defines (F4 and F6 pack several elements per byte).
+DTYPE_BITS = {
+    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F6_E2M3": 6,
+    "F6_E3M2": 6, "F4": 4, "C64": 64, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64, "U32": 32, "U16": 16,
+    "U8": 8, "BOOL": 8,
 }
+_REDOWNLOAD = "The file is damaged or was written by a broken tool; download it again."
 
 
 class CheckpointError(ValueError):
@@ -35,9 +46,68 @@ def _pickle_kind(first_bytes: bytes) -> str | None:
         return "a PyTorch zip/pickle checkpoint (torch.save)"
     if first_bytes[:1] == b"\x80" and first_bytes[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "a Python pickle"
-    if first_bytes.startswith(b"GGUF"):
-        return "a GGUF file"
     return None
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]")
+_INNERMOST_PAIR = re.compile(rb"\{\}|\[\]")
+
+
+def _too_deep(raw: bytes, max_depth: int) -> bool:
+    """Whether the JSON text nests deeper than `max_depth`, found without recursion: strings are blanked, and
+    innermost bracket pairs are removed once per level (each pass runs in the regex engine, not in Python)."""
+    brackets = _NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", raw))
+    for _ in range(max_depth):
+        brackets, removed = _INNERMOST_PAIR.subn(b"", brackets)
+        if not brackets or not removed:
+            return False  # fully unwound, or unbalanced (the parser then reports it)
+    return bool(brackets)
+
+
+def parse_json_object(raw: bytes, where: str, what: str, max_depth: int) -> dict:
+    """`raw` parsed as a JSON object, nesting bounded before parsing; any problem is a CheckpointError."""
+    if _too_deep(raw, max_depth):
+        raise CheckpointError(f"{where}: the {what} nests deeper than {max_depth} levels, which no valid one does. "
+                              f"{_REDOWNLOAD}")
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise CheckpointError(f"{where}: the {what} is not valid JSON ({error}). {_REDOWNLOAD}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where}: the {what} is a JSON {type(data).__name__}, expected an object. {_REDOWNLOAD}")
+    return data
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry(name: str, entry, path: Path) -> tuple[TensorInfo, int, int]:
+    """One tensor's header entry, checked: (info, first byte, end byte) relative to the data section."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) \
+            or not isinstance(entry.get("shape"), list) or not all(_is_count(d) for d in entry["shape"]) \
+            or not isinstance(entry.get("data_offsets"), list) or len(entry["data_offsets"]) != 2 \
+            or not all(_is_count(o) for o in entry["data_offsets"]):
+        raise CheckpointError(
+            f"{path.name}: malformed header entry for tensor {name!r} (expected a dtype, a shape of non-negative "
+            f"integers and two non-negative data offsets). {_REDOWNLOAD}"
+        )
+    dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    if begin > end:
+        raise CheckpointError(f"{path.name}: tensor {name!r} has reversed data offsets [{begin}, {end}]. {_REDOWNLOAD}")
+    if dtype not in DTYPE_BITS:
+        raise CheckpointError(
+            f"{path.name}: tensor {name!r} has dtype {dtype!r}, which safetensors does not define (expected one of "
+            f"{', '.join(DTYPE_BITS)}). {_REDOWNLOAD}"
+        )
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits != 8 * (end - begin):
+        raise CheckpointError(
+            f"{path.name}: tensor {name!r} is {dtype} of shape {list(shape)}, {bits / 8:g} bytes, but its data offsets "
+            f"span {end - begin} bytes. {_REDOWNLOAD}"
+        )
+    return TensorInfo(dtype, shape, path), begin, end
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -48,105 +118,52 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
     size = path.stat().st_size
     with open(path, "rb") as handle:
         first = handle.read(8)
+        if first.startswith(b"GGUF"):
+            raise CheckpointError(
+                f"{path.name} is a GGUF file, not a safetensors file. GGUF is read for the Qwen-Image 2.1 DiT only "
+                "(Qwen-Image 2.1 Model Loader, models/diffusion_models); use the .safetensors release of this model."
+            )
         kind = _pickle_kind(first)
         if kind is not None:
             raise CheckpointError(
                 f"{path.name} is {kind}, not a safetensors file. This pack loads weights only from .safetensors "
                 "(pickles can run code when loaded); use the .safetensors release of this model."
             )
-        if len(first) < 8:
-            raise CheckpointError(f"{path.name} is {size} bytes long: too short to be a safetensors file.")
-        (header_len,) = struct.unpack("<Q", first)
-        if header_len > MAX_HEADER_BYTES or header_len + 8 > size:
+        (header_len,) = struct.unpack("<Q", first) if len(first) == 8 else (None,)
+        if header_len is None or header_len > MAX_HEADER_BYTES or header_len + 8 > size:
+            # the first 8 bytes of a safetensors file give its header's length; here they cannot be one
             raise CheckpointError(
-                f"{path.name} is not a valid safetensors file (header length {header_len} for a {size}-byte file); "
-                "it may be truncated or another format. Re-download it."
+                f"{path.name} is not a safetensors file: its first bytes do not give the length of a header that "
+                f"fits in its {size:,} bytes. It is another format, or was cut short inside its header; download "
+                "it again, or use the .safetensors release of this model."
             )
-        try:
-            header = json.loads(handle.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"{path.name}: the safetensors header is not valid JSON ({error}); re-download it.")
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path.name}: the safetensors header is not a JSON object; re-download it.")
+        header = parse_json_object(handle.read(header_len), path.name, "safetensors header", MAX_HEADER_DEPTH)
     metadata = header.pop("__metadata__", None) or {}
-    tensors, data_end = {}, 0
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path.name}: the header's __metadata__ is not a map of strings. {_REDOWNLOAD}")
+    tensors, spans = {}, []
     for name, entry in header.items():
-        try:
-            dtype, shape, (_, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path.name}: malformed header entry for {name!r}; re-download the file.")
-        tensors[name] = TensorInfo(dtype, shape, path)
-        data_end = max(data_end, end)
+        tensors[name], begin, end = _entry(name, entry, path)
+        spans.append((begin, end, name))
+    # Tensors must tile the data section exactly, in offset order: no gap, no overlap (what safetensors checks).
+    data_end = 0
+    for begin, end, name in sorted(spans):
+        if begin != data_end:
+            problem = ("overlaps the tensor before it" if begin < data_end
+                       else f"leaves a gap of {begin - data_end} bytes")
+            raise CheckpointError(
+                f"{path.name}: the data of tensor {name!r} (offsets [{begin}, {end}]) {problem}. {_REDOWNLOAD}"
+            )
+        data_end = end
     expected = 8 + header_len + data_end
     if size < expected:
         raise CheckpointError(
             f"{path.name} is truncated: its header describes {expected:,} bytes but the file has {size:,} "
             f"({100 * size / expected:.1f}%). The download was probably interrupted; download it again."
         )
-    return tensors, metadata
-
-
-def read_sharded_index(index_path: Path) -> list[Path]:
-    """Shard files named by a `*.safetensors.index.json`, each checked to exist."""
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (OSError, KeyError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{index_path}: unreadable shard index ({error}).")
-    shards = sorted({index_path.parent / name for name in weight_map.values()})
-    missing = [shard.name for shard in shards if not shard.is_file()]
-    if missing:
+    if size > expected:
         raise CheckpointError(
-            f"{index_path.parent}: {len(missing)} of {len(shards)} shards listed in {index_path.name} are missing "
-            f"({', '.join(missing)}). Finish the download of this folder."
+            f"{path.name}: {size - expected:,} bytes follow the last tensor that its header does not describe. "
+            f"{_REDOWNLOAD}"
         )
-    return shards
-
-
-def read_headers(files: list[Path]) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Merged header of several shards (all checked before anything is loaded)."""
-    tensors, metadata = {}, {}
-    for file in files:
-        part, meta = read_header(file)
-        tensors.update(part)
-        metadata.update(meta)
     return tensors, metadata
-
-
-# -- what is this file? -------------------------------------------------------------------------------------
-def _has(keys, *needles) -> bool:
-    return any(any(needle in key for needle in needles) for key in keys)
-
-
-def identify_checkpoint(keys) -> str:
-    """A short description of what a state dict holds, for error messages ("a Qwen-Image 1.x DiT", ...)."""
-    keys = list(keys)
-    if _has(keys, "txt_in.text_norm.weight") and _has(keys, "modulation.1.weight"):
-        return "a Qwen-Image 2.1 DiT (transformer)"
-    if _has(keys, "txt_norm.weight", "img_mod.1.weight", "add_q_proj"):
-        return "a Qwen-Image 1.x DiT (60 double-stream blocks), not Qwen-Image 2.1"
-    if _has(keys, "deepstack_merger_list", "visual.blocks.", "language_model.", "self_attn.q_proj", "embed_tokens"):
-        return "a text encoder (Qwen-VL language model)"
-    if _has(keys, "decoder.", "encoder.conv1", "encoder.conv_in", "quant_conv", "post_quant_conv"):
-        return "a VAE"
-    if _has(keys, "double_blocks.", "single_blocks."):
-        return "a Flux-style DiT"
-    if _has(keys, "model.diffusion_model.input_blocks", "input_blocks.", "down_blocks."):
-        return "a Stable Diffusion UNet"
-    if _has(keys, "lora_", ".lora.", "lora_A", "lora_down"):
-        return "a LoRA"
-    sample = ", ".join(sorted(keys)[:4])
-    return f"an unrecognised checkpoint ({len(keys)} tensors, e.g. {sample})"
-
-
-QUANTIZED_MARKERS = ("weight_scale", "comfy_quant", "scale_weight", "scaled_fp8", "input_scale")
-
-
-def quantization_marker(keys, metadata: dict) -> str | None:
-    """Name of the first quantization marker found (ComfyUI per-layer quantization), else None."""
-    if "_quantization_metadata" in metadata:
-        return "_quantization_metadata"
-    for key in keys:
-        for marker in QUANTIZED_MARKERS:
-            if key.endswith(marker):
-                return key
-    return None

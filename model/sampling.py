@@ -20,11 +20,10 @@ import torch
 from .cache_store import DEFAULT_STORE, PrefixCacheStore
 from .conditioning import Conditioning
 from .dit import PrefixInputs, QwenImage21DiT
+from .img2img import finish_latents, start_latents
+from .latents import LATENT_CHANNELS, latent_shape
 from .prefix_cache import PrefixKVCache
-from .schedule import euler_step, sampling_size, transformer_timestep
-
-LATENT_CHANNELS = 64
-VAE_SCALE = 16
+from .schedule import euler_step, literal_sigmas, transformer_timestep
 
 
 class NonFiniteLatentsError(FloatingPointError):
@@ -51,9 +50,8 @@ class SampleResult:
 def initial_noise(seed: int, batch: int, height: int, width: int) -> torch.Tensor:
     """`(B, 64, H/16, W/16)` fp32 noise from a CPU generator seeded with `seed` (ComfyUI's convention, and
     what diffusers draws for a CPU generator with the same seed). Sizes are floored to x32 first."""
-    width, height = sampling_size(width, height)
     generator = torch.Generator("cpu").manual_seed(int(seed))
-    shape = (batch, LATENT_CHANNELS, height // VAE_SCALE, width // VAE_SCALE)
+    shape = (batch, LATENT_CHANNELS, *latent_shape(width, height))
     return torch.randn(shape, generator=generator, dtype=torch.float32)
 
 
@@ -65,13 +63,71 @@ def _unpack(tokens: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *shape)
 
 
+def _match(tensor: torch.Tensor, batch: int, grid: tuple[int, int], name: str, channels: int = LATENT_CHANNELS):
+    """`tensor` `(1 or batch, channels, h, w)` as fp32 `(batch, channels, h, w)` on the CPU, or a clear error."""
+    tensor = torch.as_tensor(tensor).detach().to("cpu", torch.float32)
+    if tensor.ndim != 4 or tuple(tensor.shape[1:]) != (channels, *grid) or tensor.shape[0] not in (1, batch):
+        raise ValueError(f"{name} must be (1 or {batch}, {channels}, {grid[0]}, {grid[1]}); got {tuple(tensor.shape)}.")
+    return tensor.expand(batch, -1, -1, -1)
+
+
 def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class _StepClock:
+    """Per-step times without stalling the GPU's queue: CUDA events, read once when the run ends; the host clock
+    elsewhere (CPU work is synchronous, so it measures the step itself)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self):
+        return self._now()
+
+    def stop(self, started) -> None:
+        self.marks.append((started, self._now()))
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) / 1000 for start, end in self.marks]
+        return [end - start for start, end in self.marks]
+
+
+class _FiniteWatch:
+    """The NaN/inf check of the latents after every step. On the CPU it runs at once; on a GPU each step's verdict
+    stays on the device and is read when the run ends (one host sync per run, not one per step), and the error
+    still names the first bad step."""
+
+    def __init__(self, device: torch.device, sigmas: torch.Tensor):
+        self.sigmas = sigmas
+        self.deferred = device.type == "cuda"
+        self.flags = torch.ones(sigmas.numel() - 1, dtype=torch.bool, device=device) if self.deferred else None
+
+    def check(self, x: torch.Tensor, step: int) -> None:
+        if self.deferred:
+            self.flags[step] = torch.isfinite(x).all()
+        elif not bool(torch.isfinite(x).all()):
+            self._fail(step)
+
+    def finish(self) -> None:
+        if self.deferred and not bool(self.flags.all()):
+            self._fail(int((~self.flags).nonzero()[0]))
+
+    def _fail(self, step: int) -> None:
+        raise NonFiniteLatentsError(
+            f"the latents became NaN/inf at step {step + 1} of {self.sigmas.numel() - 1} (sigma "
+            f"{self.sigmas[step].item():.4f}); with fp16 weights try bf16 or fp32."
+        )
 
 
 def sample(
@@ -91,24 +147,34 @@ def sample(
     store: PrefixCacheStore | None = None,
     callback=None,
     attention: str | None = None,
+    check_interrupt=None,
+    latent_image: torch.Tensor | None = None,
+    noise_mask: torch.Tensor | None = None,
+    add_noise: bool = True,
+    new_cache=None,
 ) -> SampleResult:
-    """Denoise from noise along `sigmas` (ending in 0); returns normalised latents and the run's report.
+    """Denoise along `sigmas` (used as given; see `literal_sigmas`); returns normalised latents and the report.
 
     `noise` `(B, 64, H/16, W/16)` overrides `seed`/`batch_size`. `callback(StepInfo)` runs after every step;
-    an exception it raises (ComfyUI's interrupt) ends the run with the cache freed. `keep_cache` keeps the
-    prefix cache in `store` (default: the process-wide store) for the next run with this conditioning.
+    an exception it raises (ComfyUI's interrupt) ends the run with the cache freed. `check_interrupt()` runs
+    after every block of every step, so a cancel lands within one block even when a step takes seconds.
+    `keep_cache` keeps the prefix cache in `store` (default: the process-wide store) for the next run with this
+    conditioning.
+
+    img2img and inpainting (`img2img.py` has the semantics): `latent_image` `(1 or B, 64, h, w)` normalised is
+    the start, noised to the first sigma (`add_noise`) or taken as already noised; `noise_mask` `(1 or B, 1, h, w)`
+    (1 = repaint) keeps the rest of `latent_image`. A schedule ending above 0 returns the partly denoised latent.
+    `new_cache()` makes the prefix cache of a miss (default `PrefixKVCache`; the memory plan may ask for a host-side
+    one, `streaming.HostPrefixKVCache`).
     """
     notes = []
-    width, height = sampling_size(width, height)
-    latent_shape = (height // VAE_SCALE, width // VAE_SCALE)
+    grid = latent_shape(width, height)
     if noise is None:
         noise = initial_noise(seed, batch_size, height, width)
-    if tuple(noise.shape[1:]) != (LATENT_CHANNELS, *latent_shape):
-        raise ValueError(f"noise must be (B, 64, {latent_shape[0]}, {latent_shape[1]}), got {tuple(noise.shape)}.")
-    sigmas = torch.as_tensor(sigmas, dtype=torch.float32).flatten()
+    if tuple(noise.shape[1:]) != (LATENT_CHANNELS, *grid):
+        raise ValueError(f"noise must be (B, 64, {grid[0]}, {grid[1]}), got {tuple(noise.shape)}.")
+    sigmas = literal_sigmas(sigmas)
     steps = sigmas.numel() - 1
-    if steps < 1 or sigmas[-1].item() != 0.0:
-        raise ValueError(f"sigmas must hold at least one step and end in 0; got {sigmas.tolist()}.")
     if not cfg >= 1.0:
         raise ValueError(f"cfg must be >= 1 (1 disables guidance); got {cfg}.")
     use_cfg = negative is not None and cfg > 1.0
@@ -120,7 +186,7 @@ def sample(
     device, dtype = _device_of(model), model.compute_dtype
     batch = noise.shape[0]
     conditionings = [positive] + ([negative] if use_cfg else [])
-    prefixes = [PrefixInputs(layout=c.layout(latent_shape), text=c.text, references=c.references) for c in conditionings]
+    prefixes = [PrefixInputs(layout=c.layout(grid), text=c.text, references=c.references) for c in conditionings]
     sample_prefix = [0] * batch + ([1] * batch if use_cfg else [])
     cached = bool(prefix_cache) and model.config.causal_condition
     if prefix_cache and not cached:
@@ -133,37 +199,40 @@ def sample(
     if hit:
         cache.to(device)
     elif cached:
-        cache = PrefixKVCache()
+        cache = new_cache() if new_cache is not None else PrefixKVCache()  # new_cache: the memory plan's kind
 
-    x = _pack(noise).to(device=device, dtype=dtype)
-    prefill_seconds, step_times, succeeded = None, [], False
+    init = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
+    mask = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
+    x0 = start_latents(noise, init, sigmas[0].item(), add_noise)
+    kept_noise = noise.float() if add_noise else torch.zeros_like(x0)
+    x = _pack(x0).to(device=device, dtype=dtype)
+    if mask is not None:
+        mask, init, kept_noise = (_pack(t).to(device) for t in (mask, init, kept_noise))
+    after_block = None if check_interrupt is None else (lambda index: check_interrupt())
+    clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas), [], False
     try:
         for i in range(steps):
             mode = "uncached" if not cached else ("prefill" if i == 0 and not hit else "cached")
-            _synchronize(device)
-            start = time.perf_counter()
+            modes.append(mode)
+            started = clock.start()
             t = transformer_timestep(sigmas[i], dtype).to(device)
             v = model(torch.cat([x, x]) if use_cfg else x, t, prefixes, sample_prefix,
-                      cache=cache if cached else None, mode=mode, attention=attention)
+                      cache=cache if cached else None, mode=mode, attention=attention, after_block=after_block)
             if use_cfg:
                 v_pos, v_neg = v.chunk(2)
                 v = v_neg + cfg * (v_pos - v_neg)
             x_before = x
             x = euler_step(x, v, sigmas[i], sigmas[i + 1])
-            if not bool(torch.isfinite(x).all()):
-                raise NonFiniteLatentsError(
-                    f"the latents became NaN/inf at step {i + 1} of {steps} (sigma {sigmas[i].item():.4f}); "
-                    "with fp16 weights try bf16 or fp32."
-                )
-            _synchronize(device)
-            elapsed = time.perf_counter() - start
-            if mode == "prefill":
-                prefill_seconds = elapsed
-            else:
-                step_times.append(elapsed)
+            if mask is not None:  # the kept region: the input latent noised to the next sigma
+                sigma_next = sigmas[i + 1].item()
+                kept = sigma_next * kept_noise + (1.0 - sigma_next) * init
+                x = (x.float() * mask + kept * (1.0 - mask)).to(dtype)
+            watch.check(x, i)
+            clock.stop(started)
             if callback is not None:
                 denoised = x_before.float() - sigmas[i].item() * v.float()
-                callback(StepInfo(i, steps, sigmas[i].item(), _unpack(x, latent_shape), _unpack(denoised, latent_shape)))
+                callback(StepInfo(i, steps, sigmas[i].item(), _unpack(x, grid), _unpack(denoised, grid)))
+        watch.finish()
         succeeded = True
     finally:
         cache_bytes = cache.nbytes if cache is not None else 0
@@ -175,9 +244,12 @@ def sample(
                 notes.append("cache not kept: larger than the store's budget")
         del cache
 
+    times = clock.seconds()  # the run's one host sync on a GPU
+    prefill_seconds = next((t for t, mode in zip(times, modes) if mode == "prefill"), None)
+    step_times = [t for t, mode in zip(times, modes) if mode != "prefill"]
     report = {
         "prefix_tokens": sum(p.layout.prefix_len for p in prefixes),
-        "target_tokens": latent_shape[0] * latent_shape[1],
+        "target_tokens": grid[0] * grid[1],
         "batch": batch,
         "steps": steps,
         "cache": "off" if not cached else ("hit" if hit else "miss"),
@@ -186,7 +258,11 @@ def sample(
         "prefill_seconds": None if prefill_seconds is None else round(prefill_seconds, 4),
         "step_seconds": round(sum(step_times) / len(step_times), 4) if step_times else None,
     }
+    loras = getattr(model, "loras", ())  # a LoRA copy (model/lora.py) records what it applied
+    if loras:
+        report["loras"] = [{"name": lora.name, "strength": lora.strength} for lora in loras]
+        notes.extend(note for lora in loras for note in lora.notes)
     if notes:
         report["notes"] = notes
-    return SampleResult(_unpack(x, latent_shape), report)
+    return SampleResult(finish_latents(_unpack(x, grid), sigmas[-1].item()), report)
 

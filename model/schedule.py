@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch
 
+from .latents import latent_tokens
+
 
 @dataclass(frozen=True)
 class BaseScheduleConfig:
@@ -30,24 +32,6 @@ BASE_CONFIG = BaseScheduleConfig()
 TURBO_SIGMAS = (1.0, 0.978453, 0.954180, 0.926626, 0.895080, 0.845148, 0.704534, 0.414568)
 
 _F32 = torch.float32
-
-
-def sampling_size(width: int, height: int) -> tuple[int, int]:
-    """Floor `(width, height)` to multiples of 32 px, as the reference pipeline does before it makes latents.
-
-    The VAE downsamples by 16 and the pipeline asks for 32; the floored size is what is generated, and so
-    what decides the number of latent tokens. Raises ValueError below 32 px.
-    """
-    w, h = int(width) // 32 * 32, int(height) // 32 * 32
-    if w < 32 or h < 32:
-        raise ValueError(f"width and height must be at least 32 px; got {width}x{height}.")
-    return w, h
-
-
-def latent_tokens(width: int, height: int) -> int:
-    """Target latent tokens `L = (H/16) * (W/16)` after flooring to 32 px (references never count)."""
-    w, h = sampling_size(width, height)
-    return (w // 16) * (h // 16)
 
 
 def schedule_mu(tokens: int, config: BaseScheduleConfig = BASE_CONFIG) -> float:
@@ -132,6 +116,26 @@ def custom_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
             )
     if sig[-1].item() != 0.0:
         sig = torch.cat([sig, torch.zeros(1, dtype=_F32)])
+    return sig
+
+
+def literal_sigmas(values, name: str = "sigmas") -> torch.Tensor:
+    """Sigmas used exactly as given (ComfyUI's SIGMAS), fp32 `(n,)`: at least two values (one step), all finite,
+    in [0, 1] and strictly decreasing. Unlike `custom_sigmas` nothing is appended: a schedule that ends above 0
+    stops there (the first half of a split schedule)."""
+    sig = torch.as_tensor(values).detach().to("cpu", _F32).flatten()
+    if sig.numel() < 2:
+        raise ValueError(f"{name} holds {sig.numel()} value(s); a schedule needs at least two (one step).")
+    if not torch.isfinite(sig).all():
+        raise ValueError(f"{name} holds NaN or infinite values: {sig.tolist()}.")
+    if sig.min() < 0 or sig.max() > 1:
+        raise ValueError(f"{name} must lie in [0, 1] (flow matching: 1 is pure noise, 0 the clean image); got "
+                         f"{sig.tolist()}.")
+    steps_up = (sig[1:] >= sig[:-1]).nonzero()
+    if steps_up.numel():
+        i = int(steps_up[0]) + 1
+        raise ValueError(f"{name} must be strictly decreasing; value {i} ({sig[i].item():g}) follows "
+                         f"{sig[i - 1].item():g}. Use FlipSigmas on an ascending schedule.")
     return sig
 
 

@@ -3,7 +3,8 @@
 The language model and vision tower are transformers' own (`Qwen3VLModel`, the body of
 `Qwen3VLForConditionalGeneration` without its LM head, which conditioning never uses); this module only
 builds their inputs and picks their outputs the way the reference pipeline does (diffusers 0.42.1
-`QwenImage21Pipeline._get_qwen_prompt_embeds`, CHECKPOINTS.md 4.4-4.6):
+`QwenImage21Pipeline._get_qwen_prompt_embeds`; the template and the token accounting are in
+docs/checkpoints.md, "Text encoder"):
 
 - the prompt goes into a fixed chat template built as a raw string (not through a chat template), with
   `<imageN><|vision_start|><|image_pad|><|vision_end|>` per reference in the user turn, and each `<|image_pad|>`
@@ -17,18 +18,24 @@ builds their inputs and picks their outputs the way the reference pipeline does 
 - `image_slots` marks the `<|image_pad|>` positions that remain: the DiT puts 2x2 latent tokens of the
   matching reference at each one.
 
+Two guards the reference pipeline lacks: a prompt and reference set whose DiT sequence would need RoPE
+positions the model is not defined for is refused before anything is encoded (`MAX_ROPE_POSITIONS`), and
+`interruptible` lets a caller stop an encoding between layers.
+
 Loading from files lives in `text_encoder_loading.py`. Image preprocessing uses transformers' PIL/numpy
 Qwen2-VL image processor, never the torchvision "fast" one.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from PIL import Image
 from torch import nn
 
-from .references import VLM_TOKEN_PIXELS, PreparedReference
+from .latents import LATENT_TOKEN_PIXELS, VLM_TOKEN_PIXELS
+from .references import PreparedReference
 
 #: The system prompt of the Qwen-Image 2.1 templates (diffusers `QwenImage21Pipeline.sys_prompt`).
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
@@ -38,13 +45,21 @@ IMAGE_PAD = "<|image_pad|>"
 #: Special tokens the templates rely on: each must be a single token of the tokenizer.
 TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", IMAGE_PAD)
 PAD_TOKEN = "<|endoftext|>"  # Qwen's padding token, used when a tokenizer folder does not name one
+#: Frame positions 0..8191 and grid positions down to -1024: the RoPE range the released DiT is defined for.
+#: diffusers' `QwenImage21Rope` tabulates exactly these angles and reads a wrong row outside them, and its
+#: pipeline sets no other bound on the prompt, so a longer prefix was never computed by the reference. Our
+#: rope.py has no table, but the model's behaviour there is unknown. (Qwen3-VL's own 262144 positions are
+#: never the tighter bound.) At 0.5 MiB of prefix cache per token in bf16, the bound also caps the prompt's
+#: share of the cache at 4 GiB.
+MAX_ROPE_POSITIONS = 8192
+MIN_ROPE_POSITION = -1024
 
 
 def image_tags(slot_counts: Sequence[int]) -> str:
     """The user turn's image prefix: `<imageN><|vision_start|>` + slots x `<|image_pad|>` + `<|vision_end|>`.
 
-    References are separated by a single space and the prompt follows the last one with no separator
-    (CHECKPOINTS.md 4.4). Passing 1 per reference gives the unexpanded template.
+    References are separated by a single space and the prompt follows the last one with no separator, as
+    the released template has it. Passing 1 per reference gives the unexpanded template.
     """
     return " ".join(
         f"<image{i}><|vision_start|>{IMAGE_PAD * count}<|vision_end|>" for i, count in enumerate(slot_counts, 1)
@@ -59,6 +74,12 @@ def prompt_text(prompt: str, slot_counts: Sequence[int] = ()) -> str:
     prompt = prompt or " "
     return (f"{SYSTEM_TURN}<|im_start|>user\n{image_tags(slot_counts)}{prompt}<|im_end|>\n"
             "<|im_start|>assistant\n")
+
+
+def rope_positions(text_tokens: int, latent_grids: Sequence[tuple[int, int]]) -> int:
+    """Frame positions the DiT sequence takes: one per kept text token, `max(h, w)` per reference latent grid,
+    and one for the target, which comes last (docs/checkpoints.md, "Positions in the DiT sequence")."""
+    return text_tokens + sum(max(h, w) for h, w in latent_grids) + 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,9 +138,16 @@ class QwenImageTextEncoder:
         tokenizer: a Qwen2 BPE tokenizer (transformers `Qwen2Tokenizer`).
         image_processor: transformers' PIL Qwen2-VL image processor (`Qwen2VLImageProcessorPil`).
         source: free-form description of where the weights came from, for reports.
+        max_positions: frame positions a prompt with its references may take in the DiT sequence
+            (`MAX_ROPE_POSITIONS`; tests pass a small one).
+
+    Attributes:
+        preferred_device: where encoding should run; None lets the caller pick (the ComfyUI node: its compute
+            device). The text-encoder loader node sets it from its `device` input.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, image_processor, source: str = ""):
+    def __init__(self, model: nn.Module, tokenizer, image_processor, source: str = "",
+                 max_positions: int = MAX_ROPE_POSITIONS):
         if not isinstance(model.language_model.norm, nn.Identity):
             raise ValueError(
                 "QwenImageTextEncoder needs the language model's final norm replaced by nn.Identity(): Qwen-Image "
@@ -129,6 +157,8 @@ class QwenImageTextEncoder:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.source = source
+        self.max_positions = max_positions
+        self.preferred_device: torch.device | None = None
         config = model.config
         ids = {token: _single_token(tokenizer, token) for token in TEMPLATE_TOKENS}
         missing = [token for token, token_id in ids.items() if token_id is None]
@@ -201,12 +231,17 @@ class QwenImageTextEncoder:
             reference = flat
         return reference.convert("RGB"), (width // VLM_TOKEN_PIXELS) * (height // VLM_TOKEN_PIXELS)
 
-    def _vision_inputs(self, references: Sequence) -> tuple[dict, list[int]]:
-        """Image-processor outputs for the references (once) and each one's slot count, checked against its size."""
-        if not references:
-            return {}, []
-        images, expected = zip(*(self._vlm_image(ref, i) for i, ref in enumerate(references, 1)))
-        features = self.image_processor(images=list(images), return_tensors="pt")
+    def _vlm_images(self, references: Sequence) -> tuple[list[Image.Image], list[int]]:
+        """(RGB images the vision tower reads, image slots each one's latent grid needs), in reference order."""
+        pairs = [self._vlm_image(ref, i) for i, ref in enumerate(references, 1)]
+        return [image for image, _ in pairs], [slots for _, slots in pairs]
+
+    def _vision_inputs(self, images: list[Image.Image], expected: list[int]) -> dict:
+        """Image-processor outputs for the references (computed once), each one's slot count checked against its
+        size."""
+        if not images:
+            return {}
+        features = self.image_processor(images=images, return_tensors="pt")
         grid = features["image_grid_thw"]
         slots = (grid.prod(-1) // self.image_processor.merge_size**2).tolist()
         size = self.image_processor.size
@@ -218,7 +253,7 @@ class QwenImageTextEncoder:
                     f"[{size['shortest_edge']}, {size['longest_edge']}] pixels. Prepare references with "
                     "references.prepare_reference()."
                 )
-        return {"pixel_values": features["pixel_values"], "image_grid_thw": grid}, slots
+        return {"pixel_values": features["pixel_values"], "image_grid_thw": grid}
 
     def _token_ids(self, prompt: str, slots: list[int]) -> list[int]:
         ids = list(self.tokenizer(prompt_text(prompt, slots))["input_ids"])
@@ -233,6 +268,65 @@ class QwenImageTextEncoder:
             )
         return ids
 
+    def _check_positions(self, prompt: str, text_tokens: int, images: list[Image.Image]) -> None:
+        """Refuse a prompt and reference set whose DiT sequence leaves the RoPE range (`MAX_ROPE_POSITIONS`)."""
+        grids = [(image.height // LATENT_TOKEN_PIXELS, image.width // LATENT_TOKEN_PIXELS) for image in images]
+        for i, (image, (h, w)) in enumerate(zip(images, grids), 1):
+            lowest = -((max(h, w) + 1) // 2)  # a centred grid's first row / column id
+            if lowest < MIN_ROPE_POSITION:
+                raise ValueError(
+                    f"Reference {i} is {image.width}x{image.height} pixels: its {w}x{h} latent grid needs RoPE "
+                    f"positions down to {lowest}, below the {MIN_ROPE_POSITION} Qwen-Image 2.1's DiT is defined for "
+                    "(the rotary table of the reference implementation, diffusers' QwenImage21Rope). Crop or shrink "
+                    f"it to at most {-2 * MIN_ROPE_POSITION * LATENT_TOKEN_PIXELS} pixels per side."
+                )
+        needed = rope_positions(text_tokens, grids)
+        if needed > self.max_positions:
+            for_references = needed - 1 - text_tokens
+            raise ValueError(
+                f"The prompt {prompt[:40]!r}{'...' if len(prompt) > 40 else ''} is {text_tokens} tokens with its "
+                "template"
+                + (f", and its {len(grids)} reference(s) take {for_references} positions" if grids else "")
+                + f": the DiT sequence would need {needed} RoPE positions, but Qwen-Image 2.1 is defined for at most "
+                f"{self.max_positions} (positions 0..{self.max_positions - 1}: the rotary table of the reference "
+                "implementation, diffusers' QwenImage21Rope; its pipeline has no other length limit). Shorten the "
+                f"prompt by at least {needed - self.max_positions} tokens"
+                + (" or use fewer or smaller references." if grids else ".")
+            )
+
+    def _prepare(self, prompts: Sequence[str], references: Sequence) -> tuple[list, list[int], list[list[int]]]:
+        """(VLM images, slots per image, token ids per prompt), every check that needs no model done."""
+        images, expected = self._vlm_images(references)
+        rows = [self._token_ids(prompt, expected) for prompt in prompts]
+        for prompt, row in zip(prompts, rows):
+            self._check_positions(prompt, len(row) - self.drop_tokens - sum(expected), images)
+        return images, expected, rows
+
+    def check_prompt(self, prompt: str, references: Sequence = ()) -> None:
+        """Raise ValueError for what `encode(prompt, references)` would refuse without running a model: image
+        tokens typed into the prompt, references not sized in multiples of 32, or a sequence beyond the DiT's RoPE
+        positions. Tokenizer work only, so callers can check before they move the model."""
+        self._prepare([prompt], references)
+
+    @contextmanager
+    def interruptible(self, check: Callable[[], None] | None) -> Iterator[None]:
+        """Within the block, `check()` runs before every decoder layer and vision block; it stops an encoding by
+        raising (ComfyUI's interrupt exception, say). With None nothing changes.
+
+        Forward pre-hooks leave transformers' model code as it is, and they are removed on exit, also when
+        `check` raised.
+        """
+        if check is None:
+            yield
+            return
+        layers = [*self.model.visual.blocks, *self.model.language_model.layers]
+        handles = [layer.register_forward_pre_hook(lambda module, args: check()) for layer in layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
     # -- encoding ----------------------------------------------------------------------------------------------
     @torch.no_grad()  # not inference_mode: callers may update the outputs in place
     def encode_batch(self, prompts: Sequence[str], references: Sequence = ()) -> EncodedBatch:
@@ -245,8 +339,8 @@ class QwenImageTextEncoder:
         if isinstance(prompts, str) or not prompts:
             raise ValueError("encode_batch takes a non-empty list of prompts; use encode() for one.")
         device = self.device
-        vision, slots = self._vision_inputs(references)
-        rows = [self._token_ids(prompt, slots) for prompt in prompts]
+        images, expected, rows = self._prepare(prompts, references)
+        vision = self._vision_inputs(images, expected)
         length = max(len(row) for row in rows)
         input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), length), dtype=torch.long)

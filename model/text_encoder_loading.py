@@ -1,6 +1,6 @@
 """Load the Qwen-Image 2.1 text encoder (Qwen3-VL-8B) and its tokenizer from the files users have.
 
-Weights (CHECKPOINTS.md 4.3), in either layout:
+Weights, in either layout (docs/checkpoints.md):
 - ComfyUI single file `text_encoders/qwen3vl_8b_bf16.safetensors`: language keys flattened to
   `model.layers.*`, `model.embed_tokens.*`, `model.norm.*`, vision keys `model.visual.*`; or the same file
   with transformers' names (`model.language_model.*`, `model.visual.*`, `lm_head.*`);
@@ -9,10 +9,13 @@ Weights (CHECKPOINTS.md 4.3), in either layout:
 
 The config comes from `config.json` when there is one; a single file has none, so everything its shapes
 reveal is read from them (layers, widths, heads and KV heads via `q_norm`/`q_proj`/`k_proj`, vocab, vision
-depth/width/patch/merge, deepstack count...) and the rest takes the released 8B values (CHECKPOINTS.md 4.1),
-scaled by a stated rule for other sizes (test models). The model is built on the meta device and each
-parameter is read from the file straight into its final dtype and device, one tensor at a time. The final
-norm (replaced by an identity, see `text_encoder.py`) and the LM head are never loaded.
+depth/width/patch/merge, deepstack count...) and the rest takes the released 8B values (the module constants
+below: those of the release's `text_encoder/config.json`), scaled by a stated rule for other sizes (test
+models). The model is built on the meta device and each parameter is read from the file (safetensors'
+`safe_open`, through `checkpoint.WeightReader`) straight into its final dtype and device, one tensor at a time,
+always into memory of its own. The final norm (replaced by an identity, see `text_encoder.py`) and the LM
+head are never loaded. Finding the files, JSON, dtype choice and tensor reading are the shared `checkpoint.py`;
+this module owns the key map, the config inference and the tokenizer/processor search.
 
 Tokenizer and image processor, the first found of:
 1. `tokenizer_dir` passed by the caller;
@@ -22,23 +25,38 @@ Tokenizer and image processor, the first found of:
 4. `fallback_tokenizer_dir` (the nodes pass ComfyUI's bundled `comfy/text_encoders/qwen25_tokenizer/`).
 A folder qualifies with `tokenizer.json`, or `vocab.json` + `merges.txt`. Image-processor settings come from
 its `preprocessor_config.json`, else the `image_processor` entry of `processor_config.json`, else the
-released values (CHECKPOINTS.md 4.2); they are always built as transformers' PIL processor.
+released values (IMAGE_PROCESSOR_DEFAULTS); they are always built as transformers' PIL processor.
 """
 
-import json
 import logging
 import math
-import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+# Not used here (reading goes through `checkpoint.WeightReader`, which opens files with safetensors' own
+# `safe_open`): kept importable because callers patch `text_encoder_loading.safe_open`.
+from safetensors import safe_open  # noqa: F401
 from torch import nn
 from transformers import Qwen2Tokenizer, Qwen3VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
-from .safetensors_io import CheckpointError, identify_checkpoint, quantization_marker, read_headers, read_sharded_index
+from .checkpoint import (
+    FILE_DTYPES,
+    CheckpointError,
+    WeightFiles,
+    WeightReader,
+    check_dtypes,
+    choose_dtype,
+    count_indexed,
+    find_weights,
+    identify_checkpoint,
+    quantization_marker,
+    read_json,
+    read_weight_headers,
+    rename_keys,
+)
 from .text_encoder import QwenImageTextEncoder
 
 log = logging.getLogger(__name__)
@@ -62,7 +80,8 @@ DETECT_KEYS = (
     "visual.merger.linear_fc2.weight",
     "visual.deepstack_merger_list.0.norm.weight",
 )
-#: Released Qwen3-VL-8B values that no tensor shape shows (ComfyUI `Qwen3VL_8BConfig`, CHECKPOINTS.md 4.1).
+#: Released Qwen3-VL-8B values that no tensor shape shows (its `text_encoder/config.json`; ComfyUI's
+#: `Qwen3VL_8BConfig` agrees).
 ROPE_THETA = 5_000_000.0
 MROPE_SECTION_8B = (24, 20, 20)  # of head_dim / 2 = 64 rotary pairs: temporal, height, width
 RMS_NORM_EPS = 1e-6
@@ -70,50 +89,30 @@ MAX_POSITIONS = 262144
 VISION_HEADS = 16  # every released Qwen3-VL tower (1024 and 1152 wide) has 16 heads
 #: Vision depth -> layers whose outputs feed DeepStack (ComfyUI `QWEN3VL_VISION`: 8B/32B, 4B).
 DEEPSTACK_INDEXES = {27: (8, 16, 24), 24: (5, 11, 17)}
-#: Image processor settings of the release (`processor/preprocessor_config.json`, CHECKPOINTS.md 4.2).
-IMAGE_PROCESSOR_DEFAULTS = dict(
-    patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-    rescale_factor=1 / 255, resample=3, size={"shortest_edge": 65536, "longest_edge": 16777216},
-)
+#: Image processor settings of the release (its `processor/preprocessor_config.json`).
+IMAGE_PROCESSOR_DEFAULTS = {
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "rescale_factor": 1 / 255, "resample": 3, "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+}
 IMAGE_PROCESSOR_KEYS = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
                         "image_std", "do_convert_rgb", "size", "min_pixels", "max_pixels", "patch_size",
                         "temporal_patch_size", "merge_size")
-WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the text encoder loads as
+# What to load when a quantized file cannot run here.
+QUANTIZED_INSTEAD = "qwen3vl_8b_int8_convrot.safetensors or qwen3vl_8b_bf16.safetensors"
+DIFFUSERS_FOLDER = ("a diffusers Qwen-Image-2.1 text_encoder/ folder (config.json + model.safetensors, or shards "
+                    "with model.safetensors.index.json)")
 
 
 # -- where the files are ---------------------------------------------------------------------------------------
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return read_sharded_index(index)
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    files = sorted(folder.glob("*.safetensors"))
-    if len(files) == 1:
-        return files
-    raise CheckpointError(
-        f"{folder}: no text encoder weights found (expected model.safetensors or model.safetensors.index.json"
-        + (f"; found {len(files)} unrelated .safetensors files" if files else "") + ")."
-    )
-
-
-def locate_text_encoder(path) -> tuple[list[Path], Path | None, list[Path]]:
-    """(weight files, config.json or None, tokenizer folders to try in order) for a file or a folder."""
-    path = Path(path)
-    if path.is_file():  # any extension: the header check names pickles, GGUF and truncated files
-        near = [path.parent / f"{path.stem}_tokenizer", path.parent / "tokenizer", path.parent / "processor"]
-        return [path], None, near
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such file or folder.")
-    if (path / "model_index.json").is_file():
-        root, folder = path, path / "text_encoder"
-        if not folder.is_dir():
-            raise CheckpointError(f"{path}: a diffusers folder without text_encoder/; finish the download.")
-    else:
-        root, folder = path.parent, path
-    config = folder / "config.json"
-    return _weight_files(folder), (config if config.is_file() else None), [root / "processor", folder]
+def locate_text_encoder(path) -> tuple[WeightFiles, list[Path]]:
+    """(where the weights are, tokenizer folders to try in order) for a file or a folder."""
+    weights = find_weights(path, "text_encoder", DIFFUSERS_FOLDER)
+    if weights.single_file:
+        file = weights.path
+        return weights, [file.parent / f"{file.stem}_tokenizer", file.parent / "tokenizer", file.parent / "processor"]
+    return weights, [weights.root / "processor", weights.folder]
 
 
 def _is_tokenizer_dir(folder: Path) -> bool:
@@ -143,11 +142,10 @@ def _image_processor_settings(folder: Path) -> dict:
     found = {}
     for name, entry in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
         if (folder / name).is_file():
-            try:
-                found = json.loads((folder / name).read_text())
-            except (OSError, json.JSONDecodeError) as error:
-                raise CheckpointError(f"{folder / name}: unreadable ({error}).")
+            found = read_json(folder / name, "image processor settings file")
             found = (found.get(entry) or {}) if entry else found
+            if not isinstance(found, dict):
+                raise CheckpointError(f"{folder / name}: its {entry!r} entry is not a JSON object of settings.")
             break
     settings = dict(IMAGE_PROCESSOR_DEFAULTS)
     settings.update({key: value for key, value in found.items() if key in IMAGE_PROCESSOR_KEYS})
@@ -176,14 +174,7 @@ def rename_key(key: str) -> str | None:
 
 def _plan(infos: dict, path: Path) -> dict[str, str]:
     """Our parameter name -> file key, refusing files that are not a Qwen3-VL text encoder."""
-    plan = {}
-    for key in infos:
-        name = rename_key(key)
-        if name is None:
-            continue
-        if name in plan:
-            raise CheckpointError(f"{path.name}: both {plan[name]!r} and {key!r} map to {name!r}; mixed key layouts.")
-        plan[name] = key
+    plan = rename_keys(infos, rename_key, path.name)
     missing = [key for key in DETECT_KEYS if key not in plan]
     if missing:
         if any(".merger.mlp." in key for key in infos):
@@ -201,11 +192,6 @@ def _plan(infos: dict, path: Path) -> dict[str, str]:
     return plan
 
 
-def _count(shapes: dict, pattern: str) -> int:
-    found = {int(m.group(1)) for name in shapes if (m := re.match(pattern, name))}
-    return max(found) + 1 if found else 0
-
-
 def _scaled_mrope(head_dim: int) -> list[int]:
     """The released [24, 20, 20] split of head_dim / 2 rotary pairs, kept in ratio for other head sizes."""
     half = head_dim // 2
@@ -221,41 +207,53 @@ def _deepstack_indexes(depth: int, count: int) -> list[int]:
     return indexes
 
 
-def config_from_shapes(shapes: dict[str, tuple], config: dict | None = None) -> Qwen3VLConfig:
+def config_from_shapes(shapes: dict[str, tuple], config: dict | None = None, where: str = "config.json",
+                       ) -> Qwen3VLConfig:
     """A `Qwen3VLConfig` for these `Qwen3VLModel` parameter shapes, checked against `config` when given.
 
     Without `config` (a single file) the shapes give every size; the rest is the 8B release's (rope theta,
-    eps, 16 vision heads, DeepStack layers), see the module constants.
+    eps, 16 vision heads, DeepStack layers), see the module constants. `where` names the config (or file) in
+    errors.
     """
-    s = shapes
+    try:
+        return _config_from_shapes(shapes, config, where)
+    except KeyError as error:
+        raise CheckpointError(f"{where}: the text encoder tensor {error} is missing; the file is incomplete. "
+                              "Download it again.") from None
+
+
+def _config_from_shapes(s: dict[str, tuple], config: dict | None, where: str) -> Qwen3VLConfig:
     vocab, hidden = s["language_model.embed_tokens.weight"]
     head_dim = s["language_model.layers.0.self_attn.q_norm.weight"][0]
     vision_hidden, in_channels, temporal, patch, _ = s["visual.patch_embed.proj.weight"]
     merge = math.isqrt(s["visual.merger.linear_fc1.weight"][1] // vision_hidden)
-    depth = _count(s, r"visual\.blocks\.(\d+)\.")
-    text = dict(
-        vocab_size=vocab, hidden_size=hidden, head_dim=head_dim,
-        num_hidden_layers=_count(s, r"language_model\.layers\.(\d+)\."),
-        num_attention_heads=s["language_model.layers.0.self_attn.q_proj.weight"][0] // head_dim,
-        num_key_value_heads=s["language_model.layers.0.self_attn.k_proj.weight"][0] // head_dim,
-        intermediate_size=s["language_model.layers.0.mlp.gate_proj.weight"][0],
-        attention_bias="language_model.layers.0.self_attn.q_proj.bias" in s,
-    )
-    vision = dict(
-        depth=depth, hidden_size=vision_hidden, in_channels=in_channels, temporal_patch_size=temporal,
-        patch_size=patch, spatial_merge_size=merge,
-        intermediate_size=s["visual.blocks.0.mlp.linear_fc1.weight"][0],
-        out_hidden_size=s["visual.merger.linear_fc2.weight"][0],
-        num_position_embeddings=s["visual.pos_embed.weight"][0],
-    )
-    deepstack = _count(s, r"visual\.deepstack_merger_list\.(\d+)\.")
+    depth = count_indexed(s, r"visual\.blocks\.(\d+)\.")
+    text = {
+        "vocab_size": vocab, "hidden_size": hidden, "head_dim": head_dim,
+        "num_hidden_layers": count_indexed(s, r"language_model\.layers\.(\d+)\."),
+        "num_attention_heads": s["language_model.layers.0.self_attn.q_proj.weight"][0] // head_dim,
+        "num_key_value_heads": s["language_model.layers.0.self_attn.k_proj.weight"][0] // head_dim,
+        "intermediate_size": s["language_model.layers.0.mlp.gate_proj.weight"][0],
+        "attention_bias": "language_model.layers.0.self_attn.q_proj.bias" in s,
+    }
+    vision = {
+        "depth": depth, "hidden_size": vision_hidden, "in_channels": in_channels, "temporal_patch_size": temporal,
+        "patch_size": patch, "spatial_merge_size": merge,
+        "intermediate_size": s["visual.blocks.0.mlp.linear_fc1.weight"][0],
+        "out_hidden_size": s["visual.merger.linear_fc2.weight"][0],
+        "num_position_embeddings": s["visual.pos_embed.weight"][0],
+    }
+    deepstack = count_indexed(s, r"visual\.deepstack_merger_list\.(\d+)\.")
     if config is None:
         text.update(rms_norm_eps=RMS_NORM_EPS, max_position_embeddings=MAX_POSITIONS, rope_parameters={
             "rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": _scaled_mrope(head_dim),
             "mrope_interleaved": True})
         vision.update(num_heads=VISION_HEADS, deepstack_visual_indexes=_deepstack_indexes(depth, deepstack))
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    result = Qwen3VLConfig.from_dict(config)
+    try:
+        result = Qwen3VLConfig.from_dict(config)
+    except (TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(f"{where} is not a Qwen3-VL config ({error}).") from None
     wrong = [f"text {k}: config {getattr(result.text_config, k)}, weights {v}" for k, v in text.items()
              if getattr(result.text_config, k) != v]
     wrong += [f"vision {k}: config {getattr(result.vision_config, k)}, weights {v}" for k, v in vision.items()
@@ -264,25 +262,11 @@ def config_from_shapes(shapes: dict[str, tuple], config: dict | None = None) -> 
         configured = len(result.vision_config.deepstack_visual_indexes)
         wrong.append(f"deepstack mergers: config {configured}, weights {deepstack}")
     if wrong:
-        raise CheckpointError("config.json does not match the weights beside it: " + "; ".join(wrong) + ".")
+        raise CheckpointError(f"{where} does not match the weights beside it: " + "; ".join(wrong) + ".")
     return result
 
 
 # -- building and filling the model ------------------------------------------------------------------------------
-def _weight_dtype(dtype, file_dtype: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        chosen = dtype
-    elif dtype in (None, "default"):
-        chosen = FILE_DTYPES.get(file_dtype, torch.bfloat16)
-    elif dtype in WEIGHT_DTYPES:
-        chosen = WEIGHT_DTYPES[dtype]
-    else:
-        raise ValueError(f"weight dtype must be one of default, bf16, fp16, fp32; got {dtype!r}.")
-    if chosen not in FILE_DTYPES.values():
-        raise ValueError(f"The text encoder runs in bf16, fp16 or fp32, not {chosen}.")
-    return chosen
-
-
 def build_empty_model(config: Qwen3VLConfig, device) -> Qwen3VLModel:
     """`Qwen3VLModel` with parameters on the meta device, final norm replaced by an identity, and the computed
     buffers (rotary tables) already real on `device`."""
@@ -293,7 +277,9 @@ def build_empty_model(config: Qwen3VLConfig, device) -> Qwen3VLModel:
         if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
             # the rotary embeddings compute their tables from the config; rebuild them off the meta device
             if not hasattr(module, "config"):
-                raise RuntimeError(f"{name} ({type(module).__name__}) holds computed buffers the loader cannot rebuild.")
+                raise RuntimeError(
+                    f"{name} ({type(module).__name__}) holds computed buffers the loader cannot rebuild."
+                )
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, type(module)(module.config).to(device))
     return model
@@ -301,7 +287,8 @@ def build_empty_model(config: Qwen3VLConfig, device) -> Qwen3VLModel:
 
 def fill_model(model: nn.Module, plan: dict[str, str], infos: dict, dtype: torch.dtype, device, path: Path) -> None:
     """Read every parameter from its file into `dtype` on `device`, one tensor at a time."""
-    params = dict(model.named_parameters())
+    # parameters already filled (the quantized layers, see `load_text_encoder`) are skipped
+    params = {name: param for name, param in model.named_parameters() if param.is_meta}
     missing = [name for name in params if name not in plan]
     if missing:
         raise CheckpointError(f"{path.name}: {len(missing)} text encoder tensors are missing, e.g. {missing[:3]}.")
@@ -309,46 +296,73 @@ def fill_model(model: nn.Module, plan: dict[str, str], infos: dict, dtype: torch
              if tuple(infos[plan[n]].shape) != tuple(p.shape)]
     if wrong:
         raise CheckpointError(f"{path.name}: tensor shapes do not fit one Qwen3-VL model: {'; '.join(wrong[:3])}.")
-    by_file: dict[Path, list[str]] = {}
-    for name in params:
-        by_file.setdefault(infos[plan[name]].file, []).append(name)
-    for file, names in by_file.items():
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in names:
-                tensor = handle.get_tensor(plan[name]).to(device=device, dtype=dtype)
-                parent, _, leaf = name.rpartition(".")
-                model.get_submodule(parent)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    with WeightReader(infos) as reader:
+        for name in params:
+            tensor = reader.load(plan[name], dtype, device)  # a copy of its own, never a view of the file
+            parent, _, leaf = name.rpartition(".")
+            model.get_submodule(parent)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"Text encoder tensors left unloaded: {left[:3]}.")
 
 
-def load_text_encoder(path, dtype="default", device="cpu", tokenizer_dir=None,
-                      fallback_tokenizer_dir=None) -> QwenImageTextEncoder:
+def _fill_quantized(model: nn.Module, plan: dict[str, str], quant, infos: dict, dtype: torch.dtype, device) -> None:
+    """Swap each quantized layer of `model` (LM linears, the token table) for a `quantized.QuantLinear` /
+    `QuantEmbedding` holding the file's tensors as they are (`infos`: every tensor of the files, scales included);
+    everything is checked before the first is read."""
+    quant.check_targets(model, plan, allow_embedding="language_model.embed_tokens")
+    for name, key in plan.items():
+        if key in quant.layers:
+            module = model.get_submodule(name.rpartition(".")[0])
+            if tuple(quant.layers[key].shape) != tuple(module.weight.shape):
+                raise CheckpointError(f"{quant.where}: {key} holds a {list(quant.layers[key].shape)} weight, the model "
+                                      f"needs {list(module.weight.shape)}; the file is not one Qwen3-VL model.")
+    with WeightReader(infos) as reader:
+        for name, key in plan.items():
+            if key in quant.layers:
+                bias = plan.get(name.removesuffix("weight") + "bias")
+                quant.fill_linear(model, name, key, reader.read, dtype, device, bias_key=bias)
+
+
+def load_text_encoder(path, weight_dtype="default", device="cpu", tokenizer_dir=None, fallback_tokenizer_dir=None,
+                      *, dtype=None) -> QwenImageTextEncoder:
     """The Qwen-Image 2.1 text encoder from a single file or a diffusers folder, ready to `encode`.
 
     Args:
         path: `qwen3vl_8b_*.safetensors`, a diffusers `Qwen-Image-2.1/` folder or its `text_encoder/` folder.
-        dtype: "default" (the file's), "bf16", "fp16", "fp32" or a torch dtype. fp16 is not validated on the
-            real weights (bf16 is the released precision).
+        weight_dtype: "default" (the file's), "bf16", "fp16", "fp32" or a torch dtype. fp16 is not validated
+            on the real weights (bf16 is the released precision).
         device: where the weights go; they are read there directly.
         tokenizer_dir: a tokenizer/processor folder that overrides the search.
         fallback_tokenizer_dir: tried last (ComfyUI's bundled `qwen25_tokenizer`, passed by the nodes).
+        dtype: the former name of `weight_dtype`, still accepted from existing callers.
     """
-    files, config_file, candidates = locate_text_encoder(path)
+    if dtype is not None:
+        if weight_dtype != "default":
+            raise TypeError("load_text_encoder: pass weight_dtype only (dtype is its former name).")
+        weight_dtype = dtype
+    weights, candidates = locate_text_encoder(path)
     path = Path(path)
-    infos, metadata = read_headers(files)
-    marker = quantization_marker(infos, metadata)
-    if marker is not None:
-        raise CheckpointError(f"{path.name} is a quantized text encoder ({marker}); load qwen3vl_8b_bf16.safetensors.")
+    infos, metadata = read_weight_headers(weights)
+    quant = None
+    if quantization_marker(infos, metadata) is not None:  # a ComfyUI quantized file (model/quantized.py)
+        from .quantized import plan_quantization  # comfy-kitchen is imported only for quantized files
+
+        with WeightReader(infos) as blobs:
+            quant = plan_quantization(infos, metadata, blobs.read, path.name, QUANTIZED_INSTEAD,
+                                      used=lambda key: rename_key(key) is not None)
+        file_infos, infos = infos, quant.logical(infos)  # the scales dropped, quantized weights [out, in]
     plan = _plan(infos, path)
-    odd = sorted({infos[key].dtype for key in plan.values()} - set(FILE_DTYPES))
-    if odd:
-        raise CheckpointError(f"{path.name} stores text encoder weights as {odd}; expected BF16, F16 or F32.")
+    check_dtypes(infos, dict.fromkeys(plan.values(), tuple(FILE_DTYPES)), path.name, "text encoder")
+    chosen = choose_dtype(weight_dtype, infos[plan["language_model.embed_tokens.weight"]].dtype, DTYPES, "text encoder")
     shapes = {name: tuple(infos[key].shape) for name, key in plan.items()}
-    config = config_from_shapes(shapes, json.loads(config_file.read_text()) if config_file else None)
+    if weights.config is not None:
+        config = config_from_shapes(shapes, read_json(weights.config, "text encoder config.json"), str(weights.config))
+    else:
+        config = config_from_shapes(shapes, None, path.name)
     tokenizer, image_processor = load_processor(find_tokenizer_dir(candidates, tokenizer_dir, fallback_tokenizer_dir))
-    weight_dtype = _weight_dtype(dtype, infos[plan["language_model.embed_tokens.weight"]].dtype)
     model = build_empty_model(config, device)
-    fill_model(model, plan, infos, weight_dtype, device, path)
+    if quant is not None:
+        _fill_quantized(model, plan, quant, file_infos, chosen, device)
+    fill_model(model, plan, infos, chosen, device, path)
     return QwenImageTextEncoder(model, tokenizer, image_processor, source=str(path))

@@ -10,7 +10,7 @@ frame every 3D piece collapses to a 2D one, which is all this file implements:
   model does not hold them at all;
 - the parameter-free shortcuts still see time: `AvgDown3D` pads one zero frame in front and averages over it
   (halving the shortcut of the temporal blocks), and `DupUp3D` keeps only the second temporal copy
-  (CHECKPOINTS.md section 6 item 13). `_avg_down` and `_add_dup_up_` reproduce exactly that;
+  (docs/checkpoints.md, "One frame through a 3D VAE"). `_avg_down` and `_add_dup_up_` reproduce exactly that;
 - no feature cache: it only exists to carry frames into the next temporal chunk.
 
 Parameter names are diffusers' (minus `time_conv`), so a diffusers state dict loads after reshapes only;
@@ -25,26 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: `vae/config.json` latents_mean / latents_std (CHECKPOINTS.md 3.1); ComfyUI's `latent_formats.QwenImage21` agrees.
-LATENTS_MEAN = (
-    0.5126, 0.7721, -0.0631, 1.3506, -0.7855, -2.1025, -0.3458, 1.3722, 1.8873, -1.7177, -0.6510, 0.2732, 0.7562,
-    -0.6163, -1.0277, 3.8363, 2.0210, 0.0472, 0.9320, 2.0087, 2.4954, -0.1391, -1.4249, 1.8464, -0.5236, 1.2826,
-    3.7046, -1.3035, 2.7286, -1.4518, -1.9036, -1.9955, -0.0342, -1.0265, -0.7636, 3.0555, 0.0746, -3.0751, -0.1076,
-    1.7376, -1.0914, -1.9435, -0.2784, -1.3680, 0.4809, -0.4433, 0.3764, 0.5729, -2.0595, 1.0960, -1.3260, -2.0211,
-    -5.0179, 0.5275, 4.0162, 1.8505, 0.3026, 1.9373, 1.4937, 0.2632, 0.5547, -1.7121, -0.1562, 0.0304,
-)
-LATENTS_STD = (
-    3.2001, 3.2936, 3.4321, 3.0091, 3.1061, 4.0379, 4.0705, 3.7910, 3.0785, 3.6500, 3.9308, 3.0904, 2.8778, 3.7675,
-    3.7320, 5.0756, 3.2864, 4.0397, 3.1317, 4.0443, 2.9249, 3.9454, 3.0988, 4.2489, 3.4896, 3.8513, 3.9323, 3.4719,
-    3.7498, 4.2830, 3.5694, 4.2467, 3.9037, 3.2947, 5.0770, 3.5075, 3.2700, 3.4767, 2.8063, 5.1125, 3.5327, 4.7833,
-    3.1286, 4.1819, 3.8527, 3.8312, 3.5605, 4.3875, 3.9624, 4.0168, 3.5643, 4.0550, 5.5614, 4.2963, 4.4080, 3.4959,
-    3.8747, 3.7608, 3.5735, 3.1490, 3.7662, 3.6746, 3.4563, 3.8161,
-)
+from .latents import LATENTS_MEAN, LATENTS_STD, LatentFormat
 
 
 @dataclass(frozen=True)
 class QwenImage21VAEConfig:
-    """The VAE's shape; defaults are the released `vae/config.json` (CHECKPOINTS.md 3.1)."""
+    """The VAE's shape; defaults are the released `vae/config.json` (docs/checkpoints.md)."""
 
     base_dim: int = 96  # encoder width at full resolution
     decoder_base_dim: int = 144  # decoder width at full resolution (the decoder is 1.5x wider)
@@ -401,13 +387,14 @@ class QwenImage21VAE(nn.Module):
     """Qwen-Image 2.1's VAE for single images: `encode` pixels to raw latents, `decode` them back.
 
     Inference only: parameters never require grad, so forgetting `torch.no_grad()` builds no graph (the
-    caller still picks no_grad / inference_mode). fp16 overflows in the decoder (CHECKPOINTS.md 6.7): use
-    bf16 or fp32.
+    caller still picks no_grad / inference_mode). The decoder's residual stream exceeds the fp16 range (reported
+    as white or NaN blocks): use bf16 or fp32.
     """
 
     def __init__(self, config: QwenImage21VAEConfig = QwenImage21VAEConfig()):
         super().__init__()
         self.config = config
+        self.source = None  # what it was loaded from (`vae_loading.VAESource`); None when built in memory
         self.encoder = Encoder(config)
         self.quant_conv = nn.Conv2d(2 * config.z_dim, 2 * config.z_dim, 1)
         self.post_quant_conv = nn.Conv2d(config.z_dim, config.z_dim, 1)
@@ -465,7 +452,7 @@ class QwenImage21VAE(nn.Module):
         if latents.ndim != 4 or latents.shape[1] != c.z_dim:
             raise ValueError(
                 f"decode takes raw latents (B, {c.z_dim}, h, w); got shape {tuple(latents.shape)}. "
-                "Denormalize model-space latents first (`denormalize`)."
+                "Denormalize model-space latents first (`latent_format.denormalize`)."
             )
         z = latents.to(device=self.device, dtype=self.dtype)
         tiling = tiling or VAETiling()
@@ -479,19 +466,8 @@ class QwenImage21VAE(nn.Module):
     def _decode_raw(self, z: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.post_quant_conv(z))
 
-    def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # cast to the latents' dtype first, as the diffusers pipeline does
-        shape = (1, self.config.z_dim, 1, 1)
-        mean = torch.tensor(self.config.latents_mean).view(shape).to(like.device, like.dtype)
-        std = torch.tensor(self.config.latents_std).view(shape).to(like.device, like.dtype)
-        return mean, std
+    @property
+    def latent_format(self) -> LatentFormat:
+        """This VAE's latent statistics (its config's `latents_mean` / `latents_std`)."""
+        return LatentFormat(tuple(self.config.latents_mean), tuple(self.config.latents_std))
 
-    def normalize(self, z: torch.Tensor) -> torch.Tensor:
-        """Model-space latents `(z - mean) / std`, what the DiT reads and writes."""
-        mean, std = self._stats(z)
-        return (z - mean) / std
-
-    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
-        """Raw VAE latents `latents * std + mean`, what `decode` takes."""
-        mean, std = self._stats(latents)
-        return latents * std + mean

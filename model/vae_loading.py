@@ -1,6 +1,6 @@
 """Load the Qwen-Image 2.1 VAE from the files users have.
 
-Two layouts of the same 238 tensors (CHECKPOINTS.md 3.2-3.3):
+Two layouts of the same 238 tensors (docs/checkpoints.md):
 - ComfyUI single file `qwen_image_2.1_vae_bf16.safetensors`: Wan-2.2 names (`encoder.conv1`,
   `encoder.downsamples.{i}.downsamples.{j}.residual.{0,2,3,6}`, `decoder.middle.1`, `decoder.head.2`, `conv1`,
   `conv2`, ...) and 5-D causal-conv weights `[O, I, 1, kh, kw]`.
@@ -9,12 +9,13 @@ Two layouts of the same 238 tensors (CHECKPOINTS.md 3.2-3.3):
 
 Headers decide everything first (what the file is, its layout, its config, every shape), so a wrong,
 truncated or pickled file is refused before a weight is allocated. The model is then built on the meta
-device and each tensor is read lazily (`safe_open`), converted and placed, so only one model copy exists.
+device and each tensor is read lazily (safetensors' `safe_open`, in `checkpoint.WeightReader`), converted and
+placed, so only one model copy exists. Finding the files, JSON, dtype choice and tensor reading are the shared
+`checkpoint.py`; this module owns the VAE's detection, the Wan-to-diffusers key map and config inference.
 The six `time_conv` weights are read from the header (they say which stages are temporal, which changes the
 single-frame shortcuts) but never loaded: a single frame never runs them.
 """
 
-import json
 import re
 import warnings
 from dataclasses import dataclass, replace
@@ -22,10 +23,25 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_io import CheckpointError, TensorInfo, identify_checkpoint, read_headers, read_sharded_index
+from .checkpoint import (
+    FILE_DTYPES,
+    MEMORY,
+    CheckpointError,
+    TensorInfo,
+    WeightReader,
+    check_dtypes,
+    choose_dtype,
+    count_indexed,
+    find_weights,
+    identify_checkpoint,
+    infos_of,
+    read_json,
+    read_weight_headers,
+    rename_keys,
+)
 from .vae import QwenImage21VAE, QwenImage21VAEConfig
 
-WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the VAE loads as (fp16 warns, see _dtype)
 # Full-checkpoint prefixes some files keep (ComfyUI strips the same ones).
 PREFIXES = ("first_stage_model.", "vae.")
 # One row per layout; every key of a row must be present (ComfyUI detects the Wan file by the first two).
@@ -83,13 +99,12 @@ def comfy_to_diffusers_key(key: str) -> str | None:
     return None
 
 
-def _strip_prefix(keys) -> dict[str, str]:
-    """{bare key: key in the file}, with a full-checkpoint prefix removed when every key carries it."""
-    keys = list(keys)
+def _bare(key: str) -> str:
+    """The key without a full-checkpoint prefix."""
     for prefix in PREFIXES:
-        if keys and all(key.startswith(prefix) for key in keys):
-            return {key[len(prefix):]: key for key in keys}
-    return {key: key for key in keys}
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
 
 
 def _describe(keys) -> str:
@@ -131,11 +146,6 @@ def _canonical(bare: dict[str, str], layout: str, where: str) -> dict[str, str]:
     return names
 
 
-def _count(names, pattern: str) -> int:
-    found = {int(m.group(1)) for name in names if (m := re.match(pattern, name))}
-    return max(found) + 1 if found else 0
-
-
 def infer_config(shapes: dict[str, tuple[int, ...]], where: str = "checkpoint") -> QwenImage21VAEConfig:
     """The VAE config from diffusers-named tensor shapes alone; which stages are temporal comes from
     which resamplers carry a `time_conv` (diffusers creates one exactly for those)."""
@@ -144,13 +154,15 @@ def infer_config(shapes: dict[str, tuple[int, ...]], where: str = "checkpoint") 
         z_dim = shapes["post_quant_conv.weight"][0]
         decoder_base_dim = shapes["decoder.norm_out.gamma"][0]
         out_channels = shapes["decoder.conv_out.weight"][0]
-        stages = _count(shapes, r"encoder\.down_blocks\.(\d+)\.")
+        stages = count_indexed(shapes, r"encoder\.down_blocks\.(\d+)\.")
         dim_mult = tuple(
             shapes[f"encoder.down_blocks.{i}.resnets.0.conv1.weight"][0] // base_dim for i in range(stages)
         )
-        num_res_blocks = _count(shapes, r"encoder\.down_blocks\.0\.resnets\.(\d+)\.")
+        num_res_blocks = count_indexed(shapes, r"encoder\.down_blocks\.0\.resnets\.(\d+)\.")
     except KeyError as error:
-        raise CheckpointError(f"{where}: the VAE tensor {error} is missing; the file is incomplete. Re-download it.")
+        raise CheckpointError(
+            f"{where}: the VAE tensor {error} is missing; the file is incomplete. Re-download it."
+        ) from None
     temporal = tuple(f"encoder.down_blocks.{i}.downsampler.time_conv.weight" in shapes for i in range(stages - 1))
     temporal_up = tuple(f"decoder.up_blocks.{i}.upsampler.time_conv.weight" in shapes for i in range(stages - 1))
     if temporal_up != temporal[::-1]:
@@ -181,10 +193,7 @@ def infer_config(shapes: dict[str, tuple[int, ...]], where: str = "checkpoint") 
 
 def _config_from_json(path: Path, inferred: QwenImage21VAEConfig) -> QwenImage21VAEConfig:
     """`vae/config.json` cross-checked with the shapes; it adds the latent statistics."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: unreadable config ({error}).")
+    data = read_json(path, "VAE config.json")
     name = data.get("_class_name", "AutoencoderKLQwenImage21")
     if name != "AutoencoderKLQwenImage21":
         raise CheckpointError(f"{path} describes a {name}, not an AutoencoderKLQwenImage21 (the Qwen-Image 2.1 VAE).")
@@ -210,27 +219,6 @@ def _config_from_json(path: Path, inferred: QwenImage21VAEConfig) -> QwenImage21
     if len(mean) != inferred.z_dim or len(std) != inferred.z_dim:
         raise CheckpointError(f"{path}: latents_mean/latents_std need {inferred.z_dim} values each.")
     return replace(inferred, latents_mean=tuple(float(v) for v in mean), latents_std=tuple(float(v) for v in std))
-
-
-def resolve_source(path) -> tuple[list[Path], Path | None]:
-    """Weight files to read and the config.json, if any, for a file, a `vae/` folder or a model root."""
-    path = Path(path)
-    if path.is_file():
-        return [path], None
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such file or folder.")
-    folder = path / "vae" if (path / "vae").is_dir() else path
-    indexes = sorted(folder.glob("*.safetensors.index.json"))
-    files = read_sharded_index(indexes[0]) if indexes else sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"{folder}: no .safetensors weights found. Expected a diffusers Qwen-Image-2.1 vae/ folder "
-            "(config.json + diffusion_pytorch_model.safetensors)."
-        )
-    if len(files) > 1 and not indexes:
-        raise CheckpointError(f"{folder}: {len(files)} .safetensors files and no index; expected one VAE file.")
-    config_path = folder / "config.json"
-    return files, (config_path if config_path.is_file() else None)
 
 
 def _plan(model: QwenImage21VAE, names: dict[str, str], tensors: dict[str, TensorInfo], where: str) -> dict[str, str]:
@@ -272,20 +260,10 @@ def _convert(tensor: torch.Tensor, name: str) -> torch.Tensor:
     return tensor
 
 
-def _resolve_dtype(weight_dtype, file_dtype: str, where: str) -> torch.dtype:
-    if isinstance(weight_dtype, torch.dtype):
-        dtype = weight_dtype
-    elif weight_dtype == "default":
-        # the file's own dtype, except fp16, which this VAE overflows in: bf16 keeps its range
-        dtype = torch.float32 if file_dtype in ("F32", str(torch.float32)) else torch.bfloat16
-    elif weight_dtype in WEIGHT_DTYPES:
-        dtype = WEIGHT_DTYPES[weight_dtype]
-    else:
-        raise ValueError(
-            f"weight_dtype must be 'default', one of {tuple(WEIGHT_DTYPES)} or a torch dtype; got {weight_dtype!r}."
-        )
-    if dtype not in WEIGHT_DTYPES.values():
-        raise ValueError(f"weight_dtype {dtype} is not supported for the VAE; use bf16 or fp32.")
+def _dtype(weight_dtype, file_dtype: str, where: str) -> torch.dtype:
+    dtype = choose_dtype(weight_dtype, file_dtype, DTYPES, "VAE")
+    if weight_dtype in (None, "default") and dtype == torch.float16:
+        dtype = torch.bfloat16  # an fp16 file: the decoder overflows fp16 and bf16 keeps its range
     if dtype == torch.float16:
         warnings.warn(
             f"{where}: the Qwen-Image 2.1 VAE decoder overflows fp16 (white or NaN blocks in the image); "
@@ -295,9 +273,9 @@ def _resolve_dtype(weight_dtype, file_dtype: str, where: str) -> torch.dtype:
     return dtype
 
 
-def _build(tensors: dict[str, TensorInfo], read, config_path: Path | None, weight_dtype, device, where: str,
-           path: Path) -> QwenImage21VAE:
-    bare = _strip_prefix(tensors)
+def _build(tensors: dict[str, TensorInfo], reader: WeightReader, config_path: Path | None, weight_dtype, device,
+           where: str, path: Path) -> QwenImage21VAE:
+    bare = rename_keys(tensors, _bare, where)
     layout = _detect_layout(bare, where)
     names = _canonical(bare, layout, where)
     shapes = {name: tensors[key].shape for name, key in names.items()}
@@ -306,15 +284,13 @@ def _build(tensors: dict[str, TensorInfo], read, config_path: Path | None, weigh
     config = infer_config(shapes, where)
     if config_path is not None:
         config = _config_from_json(config_path, config)
-    dtype = _resolve_dtype(weight_dtype, tensors[names["post_quant_conv.weight"]].dtype, where)
     with torch.device("meta"):
         model = QwenImage21VAE(config)
     plan = _plan(model, names, tensors, where)
-    state = {}
-    for name, key in plan.items():
-        # copy=True: safetensors hands out views of its memory map, and a model living on a mapping breaks
-        # (SIGBUS, or silently changed weights) when the file is replaced while ComfyUI runs
-        state[name] = _convert(read(key), name).to(device=device, dtype=dtype, copy=True)
+    check_dtypes(tensors, dict.fromkeys(plan.values(), tuple(FILE_DTYPES)), where, "VAE")
+    dtype = _dtype(weight_dtype, tensors[names["post_quant_conv.weight"]].dtype, where)
+    # each tensor is converted straight into memory of its own (`WeightReader.load` copies): only one model copy
+    state = {name: _convert(reader.load(key, dtype, device), name) for name, key in plan.items()}
     model.load_state_dict(state, strict=True, assign=True)
     del state
     model.requires_grad_(False)
@@ -330,23 +306,11 @@ def load_vae(path, weight_dtype="default", device="cpu") -> QwenImage21VAE:
     the decoder overflows it), "fp32", or a torch dtype. `device`: where the weights go, one tensor at a time.
     Nothing is unpickled: pickles are recognised by their first bytes and refused.
     """
-    files, config_path = resolve_source(path)
-    tensors, _ = read_headers(files)
-    where = Path(path).name
-    from safetensors import safe_open
-
-    handles = {}
-
-    def read(key: str) -> torch.Tensor:
-        file = tensors[key].file
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt", device="cpu")
-        return handles[file].get_tensor(key)
-
-    try:
-        return _build(tensors, read, config_path, weight_dtype, device, where, Path(path))
-    finally:
-        handles.clear()
+    weights = find_weights(path, "vae", "a diffusers Qwen-Image-2.1 vae/ folder (config.json + "
+                                        "diffusion_pytorch_model.safetensors)")
+    tensors, _ = read_weight_headers(weights)
+    with WeightReader(tensors) as reader:
+        return _build(tensors, reader, weights.config, weight_dtype, device, Path(path).name, Path(path))
 
 
 def vae_from_state_dict(state_dict: dict[str, torch.Tensor], weight_dtype="fp32", device="cpu",
@@ -356,5 +320,5 @@ def vae_from_state_dict(state_dict: dict[str, torch.Tensor], weight_dtype="fp32"
     The weights are copied (the model never aliases the caller's tensors), so two copies exist until the
     caller drops its dict; for files, `load_vae` reads tensor by tensor instead.
     """
-    tensors = {k: TensorInfo(str(v.dtype), tuple(v.shape), Path("<memory>")) for k, v in state_dict.items()}
-    return _build(tensors, state_dict.__getitem__, config_path, weight_dtype, device, "state dict", Path("<memory>"))
+    tensors = infos_of(state_dict)
+    return _build(tensors, WeightReader(tensors, state_dict), config_path, weight_dtype, device, "state dict", MEMORY)

@@ -1,15 +1,18 @@
 """ComfyUI nodes (V3 schema) for Qwen-Image 2.1: thin wrappers around `model/`, with `bridge.py` the one module
-that talks to ComfyUI. Node ids, inputs and outputs follow the contract in the design notes; saved workflows
-match widget values by position, so inputs are only ever appended."""
+that talks to ComfyUI. Node ids, input names and their order are a contract (listed in README.md, "Nodes"):
+saved workflows match widget values by position, so inputs are only ever appended, and `NODES` only grows."""
 
 from .bridge import ComfyExtension, io
 from .conditioning import QI21Reference, QI21TextEncode
 from .decode import QI21VAEDecode
+from .encode import QI21VAEEncode
 from .loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
+from .lora import QI21LoraLoader
 from .samplers import QI21Sampler, QI21TurboSampler
+from .schedule import QI21Sigmas
 
 NODES = [QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader, QI21Reference, QI21TextEncode, QI21Sampler,
-         QI21TurboSampler, QI21VAEDecode]
+         QI21TurboSampler, QI21VAEDecode, QI21Sigmas, QI21VAEEncode, QI21LoraLoader]
 
 
 class QwenImage21Extension(ComfyExtension):

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import torch
 
+from ..model.planner import Budget
+from ..model.streaming import place_layers, resident_part
+
 log = logging.getLogger("qi21")
 
 try:  # inside ComfyUI
@@ -51,8 +54,8 @@ def _folders(kind: str) -> list[Path]:
 
 
 def model_choices(kind: str) -> list[str]:
-    """Files of `kind` ("diffusion_models", "text_encoders", "vae") plus diffusers repositories that hold the
-    matching component, listed as `diffusers/<folder>`."""
+    """Files of `kind` ("diffusion_models", "text_encoders", "vae", "loras") plus diffusers repositories that hold
+    the matching component, listed as `diffusers/<folder>`."""
     files = set()
     if HAVE_COMFY:
         files.update(_folder_paths.get_filename_list(kind))
@@ -60,8 +63,8 @@ def model_choices(kind: str) -> list[str]:
         for folder in _folders(kind):
             if folder.is_dir():
                 files.update(str(p.relative_to(folder)) for p in folder.rglob("*") if p.suffix in MODEL_EXTENSIONS)
-    component = MODEL_FOLDERS[kind]
-    repos = {f"{DIFFUSERS_PREFIX}{repo.name}" for root in _folders("diffusers") if root.is_dir()
+    component = MODEL_FOLDERS.get(kind)  # None (e.g. "loras"): no diffusers repository holds one
+    repos = {f"{DIFFUSERS_PREFIX}{repo.name}" for root in _folders("diffusers") if root.is_dir() and component
              for repo in root.iterdir() if (repo / component).is_dir()}
     return sorted(files) + sorted(repos)
 
@@ -81,7 +84,8 @@ def model_path(kind: str, name: str) -> Path:
             if (folder / name).is_file():
                 return folder / name
     places = ", ".join(str(f) for f in _folders(kind) + _folders("diffusers")) or "(no models folder configured)"
-    raise FileNotFoundError(f"{name!r} was not found in the {kind} folders ({places}). Refresh the list or copy the file there.")
+    raise FileNotFoundError(f"{name!r} was not found in the {kind} folders ({places}). Refresh the list or copy the "
+                            "file there.")
 
 
 def comfy_tokenizer_dir() -> Path | None:
@@ -115,6 +119,23 @@ def free_memory(nbytes: int, device: torch.device) -> None:
         _mm.free_memory(nbytes, device)
 
 
+def memory_limit(device: torch.device) -> int | None:
+    """The most memory a run could get on `device`, or None if unknown: a GPU's total memory (ComfyUI can evict
+    every other model first, so only what could never fit is refused), or the RAM the kernel can still hand out
+    without swapping (Linux `MemAvailable`) on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
 def empty_cache() -> None:
     if HAVE_COMFY:
         _mm.soft_empty_cache()
@@ -122,18 +143,83 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def vram_mode() -> str:
+    """ComfyUI's VRAM mode as the planner names it: "low" (--lowvram), "no" (--novram), "high" (--highvram,
+    --gpu-only) or "normal" (also without ComfyUI)."""
+    if not HAVE_COMFY:
+        return "normal"
+    name = getattr(getattr(_mm, "vram_state", None), "name", "")
+    return {"LOW_VRAM": "low", "NO_VRAM": "no", "HIGH_VRAM": "high"}.get(name, "normal")
+
+
+def _bytes_on(tensors, device: torch.device) -> int:
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is not None and id(tensor) not in seen and tensor.device == device:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def memory_budget(device, modules=(), tensors=()) -> Budget:
+    """What a run may use, for the memory planner (model/planner.py).
+
+    On a GPU: what is free, plus what ComfyUI would evict for the run (every model it holds on that device, ours
+    included), minus its reserve (`--reserve-vram`); without ComfyUI, `torch.cuda.mem_get_info`'s free memory plus
+    what torch's allocator holds unused, plus what `modules` (our own models, moved by hand) already hold there.
+    `tensors` already on the device that the run may reclaim (kept prefix caches) count in both cases. `held`:
+    what `modules` hold there now. The host figure is the RAM available without swapping plus what `modules`
+    already hold in RAM (streamed weights are pinned in place of those copies).
+
+    On a CPU the device is the host: the RAM available without swapping (`memory_limit`) plus what `modules` and
+    `tensors` already hold.
+    """
+    device = torch.device(device)
+    cpu = torch.device("cpu")
+    module_tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    available = memory_limit(cpu)
+    host_held = _bytes_on(module_tensors, cpu)
+    if device.type == "cpu":
+        held = host_held + _bytes_on(tensors, cpu)
+        return Budget(device=(available if available is not None else 1 << 62) + held, host=None, unified=True,
+                      where="cpu", held=held)
+    held = _bytes_on(module_tensors, device)
+    reclaim = _bytes_on(tensors, device)
+    host = None if available is None else available + host_held
+    if HAVE_COMFY:
+        free = _mm.get_free_memory(device)
+        evictable = sum(loaded.model_loaded_memory() for loaded in list(_mm.current_loaded_models)
+                        if loaded.device == device and loaded.model is not None)
+        reserve = int(_mm.extra_reserved_memory())
+        return Budget(int(free + evictable - reserve + reclaim), host, where=str(device), mode=vram_mode(),
+                      reserve=reserve, held=held)
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return Budget(int(free + held + reclaim), host, where=str(device), held=held)
+
+
 @contextmanager
-def on_device(module: torch.nn.Module, device: torch.device | None = None, offload_after: bool = False):
-    """Run `module` on the compute device (or `device`): room is made first; with `offload_after` it goes back
-    to the offload device when done (the text encoder: 16 GiB nobody needs during sampling)."""
+def on_device(module: torch.nn.Module, device: torch.device | None = None, offload_after: bool = False, *,
+              layers=(), streamed=(), memory_required: int = 0):
+    """Run `module` on the compute device (or `device`), under ComfyUI's model management when ComfyUI is there
+    (`load_managed`): it frees other models for this one (and `memory_required` bytes of activations beside it),
+    and can evict this one later for others. `streamed` indices of `layers` stay in host memory (the caller streams
+    them, model/streaming.py). With `offload_after` the module goes back to the offload device when done (the text
+    encoder: 16 GiB nobody needs during sampling); under ComfyUI it stays loaded and ComfyUI evicts it as soon as
+    another model (the DiT) needs the room, as it does with its own text encoders."""
     device = torch.device(device) if device is not None else compute_device()
-    if device.type != "cpu":
-        free_memory(module_bytes(module), device)
-    module.to(device)
+    managed = HAVE_COMFY and device.type != "cpu" and device == compute_device()
+    if managed:
+        device = load_managed(module, layers=layers, streamed=streamed, memory_required=memory_required,
+                              what=type(module).__name__)
+    else:
+        if device.type != "cpu":
+            free_memory(module_bytes(module) + memory_required, device)
+        place_layers(module, layers, streamed, device)
     try:
         yield device
     finally:
-        if offload_after and device != offload_device():
+        if offload_after and not managed and device != offload_device():
             module.to(offload_device())
             empty_cache()
 
@@ -141,42 +227,80 @@ def on_device(module: torch.nn.Module, device: torch.device | None = None, offlo
 _warned_unmanaged = False
 
 
-def load_managed(model: torch.nn.Module, on_unload=None) -> torch.device:
-    """Put the DiT on the compute device the way ComfyUI loads its own models, so ComfyUI can evict it when
-    another model needs the room and on "Unload Models"; `on_unload(model)` runs when it is evicted (the
-    kept prefix caches go with it). Without ComfyUI, or if ComfyUI's model patcher refuses the module,
-    the model is simply moved (loudly, once)."""
+def _forget(patcher) -> None:
+    """Take a patcher we no longer use (its model now streams other layers) out of ComfyUI's loaded list."""
+    for index, loaded in enumerate(list(_mm.current_loaded_models)):
+        if loaded.model is patcher:
+            loaded.model_unload()
+            _mm.current_loaded_models.pop(index)
+            return
+
+
+def _patcher(model: torch.nn.Module, layers, streamed: tuple, on_unload, what: str):
+    """ComfyUI's ModelPatcher over the resident part of `model` (all of it when nothing is streamed), kept in the
+    model's `manager` field and remade when the streamed set changes."""
+    import comfy.model_patcher
+    from comfy.patcher_extension import CallbacksMP
+
+    patcher = getattr(model, "manager", None)
+    if patcher is not None and getattr(patcher, "qi21_streamed", ()) == streamed:
+        return patcher
+    if patcher is not None:
+        patcher.qi21_replaced = True  # its detach below is a plan change, not ComfyUI unloading the model
+        _forget(patcher)
+    # always a container of the resident subtrees (the whole model when nothing is streamed): ComfyUI sets attributes
+    # such as `device` on what it loads, which a transformers model (the text encoder) has as a read-only property
+    part = resident_part(model, layers, streamed)
+    patcher = comfy.model_patcher.ModelPatcher(part, load_device=compute_device(), offload_device=offload_device(),
+                                               size=module_bytes(part))
+    patcher.qi21_streamed = streamed
+    if on_unload is not None:
+        def unloaded(patcher, unpatch_all=True):
+            # ComfyUI also detaches (unpatch_all=False) to re-attach a model that stays loaded
+            if unpatch_all and not getattr(patcher, "qi21_replaced", False):
+                log.info("qi21: ComfyUI unloaded the %s; what it kept goes with it", what)
+                on_unload(model)
+
+        patcher.add_callback(CallbacksMP.ON_DETACH, unloaded)
+    # The patcher lives in the model's `manager` field, not in a registry here: ComfyUI holds patchers only weakly,
+    # and a patcher holds its model strongly, so a bridge-side dict (even a WeakKeyDictionary keyed by the model)
+    # would keep every model ever loaded alive. As a model <-> patcher cycle both go when the graph drops the
+    # model, and ComfyUI's weak references then see them gone and release the VRAM.
+    model.manager = patcher
+    return patcher
+
+
+def load_managed(model: torch.nn.Module, on_unload=None, *, layers=None, streamed=(), memory_required: int = 0,
+                 what: str = "DiT") -> torch.device:
+    """Put `model` on the compute device the way ComfyUI loads its own models, so ComfyUI can evict it when
+    another model needs the room and on "Unload Models", and frees other models for it (and for
+    `memory_required` bytes beside it: the run's activations, cache and streaming slots, as the planner predicts
+    them). `on_unload(model)` runs when it is evicted (the kept prefix caches go with it).
+
+    `streamed` indices of `layers` (default: the DiT's blocks) are not ComfyUI's to load: ComfyUI manages the
+    rest (`streaming.resident_part`) and the streamed layers go to pinned host memory, from where
+    `streaming.LayerStreamer` copies them in. Without ComfyUI, or if ComfyUI's model patcher refuses the module,
+    the model is placed by hand (loudly, once)."""
     global _warned_unmanaged
+    layers = getattr(model, "blocks", ()) if layers is None else layers
+    streamed = tuple(streamed)
     if HAVE_COMFY:
         try:
-            patcher = getattr(model, "_qi21_patcher", None)
-            if patcher is None:
-                import comfy.model_patcher
-                from comfy.patcher_extension import CallbacksMP
-
-                patcher = comfy.model_patcher.ModelPatcher(model, load_device=compute_device(),
-                                                           offload_device=offload_device(), size=module_bytes(model))
-                if on_unload is not None:
-                    def unloaded(patcher, unpatch_all=True):
-                        # ComfyUI also detaches (unpatch_all=False) to re-attach a model that stays loaded
-                        if unpatch_all:
-                            log.info("qi21: ComfyUI unloaded the DiT; its kept prefix caches go with it")
-                            on_unload(model)
-
-                    patcher.add_callback(CallbacksMP.ON_DETACH, unloaded)
-                model._qi21_patcher = patcher
-            # full load: our layers are plain PyTorch, they cannot stream weights like ComfyUI's own ops
-            _mm.load_models_gpu([patcher], force_full_load=True)
+            patcher = _patcher(model, layers, streamed, on_unload, what)
+            # full load of the resident part: our layers are plain PyTorch, they cannot stream weights through
+            # ComfyUI's own ops; what does not fit was planned as streamed instead
+            _mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
+            place_layers(model, layers, streamed, patcher.load_device)
             return patcher.load_device
         except Exception as error:  # an API change must not stop sampling: fall back, and say so
             if not _warned_unmanaged:
-                log.warning("qi21: ComfyUI's model manager refused the DiT (%s); moving it by hand, so ComfyUI will "
-                            "not evict it automatically.", error)
+                log.warning("qi21: ComfyUI's model manager refused the %s (%s); moving it by hand, so ComfyUI will "
+                            "not evict it automatically.", what, error)
                 _warned_unmanaged = True
     device = compute_device()
     if device.type != "cpu":
-        free_memory(module_bytes(model), device)
-    model.to(device)
+        free_memory(module_bytes(model) + memory_required, device)
+    place_layers(model, layers, streamed, device)
     return device
 
 
@@ -214,9 +338,7 @@ class Progress:
     def __init__(self, total: int):
         self.total = total
         self.bar = _comfy_utils.ProgressBar(total) if HAVE_COMFY else None
-        self.last_preview = None
 
     def update(self, step: int, preview=None) -> None:
-        self.last_preview = preview if preview is not None else self.last_preview
         if self.bar is not None:
             self.bar.update_absolute(step, self.total, ("JPEG", preview, 512) if preview is not None else None)

@@ -12,7 +12,8 @@ from typing import Any
 class _Input:
     def __init__(self, id: str, display_name: str = None, optional: bool = False, tooltip: str = None,
                  default: Any = None, **options):
-        self.id, self.display_name, self.optional, self.tooltip, self.default = id, display_name, optional, tooltip, default
+        self.id, self.display_name, self.optional = id, display_name, optional
+        self.tooltip, self.default = tooltip, default
         self.options = options  # min, max, step, options (combo), multiline, ...
 
     @property
@@ -21,7 +22,7 @@ class _Input:
 
 
 class _Output:
-    def __init__(self, id: str = None, display_name: str = None, tooltip: str = None, is_output_list: bool = False):
+    def __init__(self, id: str = None, display_name: str = None, tooltip: str = None):
         self.id, self.display_name, self.tooltip = id, display_name or id, tooltip
 
     @property
@@ -46,6 +47,7 @@ class io:  # noqa: N801  (mirrors `from comfy_api.latest import io`)
     Image = _comfy_type("IMAGE", widget=False)
     Mask = _comfy_type("MASK", widget=False)
     Latent = _comfy_type("LATENT", widget=False)
+    Sigmas = _comfy_type("SIGMAS", widget=False)
 
     @staticmethod
     def Custom(io_type: str):  # noqa: N802
@@ -60,8 +62,6 @@ class io:  # noqa: N801  (mirrors `from comfy_api.latest import io`)
         outputs: list = field(default_factory=list)
         description: str = ""
         is_output_node: bool = False
-        is_experimental: bool = False
-        search_aliases: list = field(default_factory=list)
 
     class NodeOutput:
         def __init__(self, *args, ui: dict = None):
@@ -82,10 +82,6 @@ class io:  # noqa: N801  (mirrors `from comfy_api.latest import io`)
         @classmethod
         def validate_inputs(cls, **kwargs):
             return True
-
-        @classmethod
-        def fingerprint_inputs(cls, **kwargs):
-            return None
 
 
 class ComfyExtension:

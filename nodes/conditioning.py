@@ -4,9 +4,10 @@ import torch
 
 from ..model.pipeline import MAX_REFERENCES, chain_references, check_room_for_reference, encode_prepared, encode_prompt
 from ..model.references import prepare_reference
-from . import bridge
+from . import bridge, placement
 from .bridge import io
 from .types import CATEGORY, VAE, Conditioning, References, TextEncoder
+from .validation import require, widget_problem
 
 
 class QI21Reference(io.ComfyNode):
@@ -40,6 +41,7 @@ class QI21Reference(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, image, resolution, mask=None, references=None) -> io.NodeOutput:
+        require(widget_problem(cls, resolution=resolution))  # ComfyUI checks it only when it is not linked
         check_room_for_reference(references)  # before any work
         if image is None or image.numel() == 0 or min(image.shape[-3:-1]) == 0:
             raise ValueError(f"the image given to Qwen-Image 2.1 Reference is empty (shape {tuple(image.shape)}).")
@@ -68,8 +70,10 @@ class QI21TextEncode(io.ComfyNode):
             inputs=[
                 TextEncoder.Input("text_encoder"),
                 io.String.Input("prompt", multiline=True, default="",
-                                tooltip="Refer to references as <image1>, <image2>, ... An empty prompt is encoded as a "
-                                        "single space, as the reference pipeline does."),
+                                tooltip="Refer to references as <image1>, <image2>, ... An empty prompt is encoded as "
+                                        "a single space, as the reference pipeline does. Up to about 8,180 tokens "
+                                        "(some 35,000 characters) without references, fewer with them: the RoPE "
+                                        "range the model is defined for; a longer prompt is refused."),
                 References.Input("references", optional=True,
                                  tooltip="The same reference chain the edit is about; the negative prompt should get "
                                          "the same references."),
@@ -79,8 +83,13 @@ class QI21TextEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, text_encoder, prompt, references=None) -> io.NodeOutput:
-        device = getattr(text_encoder, "preferred_device", None)
-        with bridge.on_device(text_encoder.model, device=device, offload_after=True):
-            with torch.no_grad():
+        if not isinstance(prompt, str):  # a linked prompt is not checked by ComfyUI
+            raise ValueError(f"Qwen-Image 2.1 Text Encode needs a prompt string; got {type(prompt).__name__}.")
+        # too long a prompt or reference set is refused here, before the 16 GB encoder moves to the GPU
+        text_encoder.check_prompt(prompt, [r.prepared for r in references or ()])
+        # whole on the device when it fits beside the encoding, else its decoder layers streamed (nodes/placement.py)
+        with placement.text_encoder_on_device(text_encoder, prompt, references or ()):
+            # Cancel stops the encoding between layers, not after the whole 36-layer pass
+            with torch.no_grad(), text_encoder.interruptible(bridge.throw_if_interrupted):
                 conditioning = encode_prompt(text_encoder, prompt, references or ())
         return io.NodeOutput(conditioning)

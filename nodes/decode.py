@@ -3,9 +3,10 @@
 import torch
 
 from ..model.pipeline import decode_images
-from . import bridge
+from . import bridge, placement
 from .bridge import io
 from .types import CATEGORY, VAE
+from .validation import require, widget_problem
 
 TILED = {"auto": None, "on": True, "off": False}
 
@@ -20,13 +21,16 @@ class QI21VAEDecode(io.ComfyNode):
             display_name="Qwen-Image 2.1 VAE Decode",
             category=CATEGORY,
             description="Decodes the 64-channel RGBA latents. IMAGE (RGB) and MASK (1 = transparent, ComfyUI's "
-                        "convention) plug into core nodes; the 4-channel IMAGE saves as a transparent PNG with SaveImage.",
+                        "convention) plug into core nodes; the 4-channel IMAGE saves as a transparent PNG with "
+                        "SaveImage.",
             inputs=[
                 VAE.Input("vae"),
                 io.Latent.Input("samples"),
                 io.Combo.Input("tiled", options=list(TILED), default="auto", optional=True,
-                               tooltip="auto tiles large images (memory bounded by the tile, seams blended); on forces "
-                                       "tiles (least memory), off decodes in one piece (fastest, most memory)."),
+                               tooltip="auto decodes in one piece (exactly the reference's result) whenever that fits "
+                                       "in the free memory, and in blended tiles only when it does not; on forces "
+                                       "tiles (least memory), off forces one piece (most memory: may run out of it on "
+                                       "a small GPU)."),
             ],
             outputs=[io.Image.Output(display_name="IMAGE"), io.Mask.Output(display_name="MASK"),
                      io.Image.Output(display_name="RGBA")],
@@ -34,6 +38,7 @@ class QI21VAEDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, samples, tiled="auto") -> io.NodeOutput:
+        require(widget_problem(cls, tiled=tiled))  # ComfyUI checks it only when it is not linked
         latents = samples["samples"]
         if latents.ndim != 4 or latents.shape[1] != vae.config.z_dim:
             raise ValueError(f"QI21VAEDecode needs Qwen-Image 2.1 latents (B, {vae.config.z_dim}, h, w); got "
@@ -41,6 +46,9 @@ class QI21VAEDecode(io.ComfyNode):
         if not bool(torch.isfinite(latents).all()):  # would decode to a black image without a word
             raise ValueError("QI21VAEDecode: the latents hold NaN/inf values; the node that made them failed (with "
                              "fp16 weights, try bf16 or fp32).")
-        with bridge.on_device(vae):
-            rgb, mask, rgba = decode_images(vae, latents, tiled=TILED[tiled])
+        use_tiles, activations = TILED[tiled], 0
+        if use_tiles is None:  # auto: one pass when the planner says it fits (the reference's result exactly)
+            use_tiles, activations = placement.decode_tiled(vae, latents)
+        with bridge.on_device(vae, memory_required=activations):
+            rgb, mask, rgba = decode_images(vae, latents, tiled=use_tiles)
         return io.NodeOutput(rgb, mask, rgba)

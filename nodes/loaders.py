@@ -5,22 +5,52 @@ Models load to the offload device (CPU RAM); the nodes that use them move them t
 
 import gc
 import traceback
+from pathlib import Path
 
 import torch
 
-from ..model.dit_loading import WEIGHT_DTYPES, load_dit
+from ..model.checkpoint import WEIGHT_DTYPES
+from ..model.dit_loading import load_dit
+from ..model.planner import PLACEMENTS
 from ..model.text_encoder_loading import load_text_encoder
 from ..model.vae_loading import load_vae
 from . import bridge
 from .bridge import io
+from .placement import PLAN_TOOLTIP
 from .types import CATEGORY, VAE, Model, TextEncoder
-from .validation import widget_problem
+from .validation import require, widget_problem
 
 
-def _unknown_file(node, kind: str, name: str, **widgets) -> str | bool:
-    if name not in bridge.model_choices(kind):
-        return f"{name!r} is not in the {kind} folders; pick a listed file or refresh (R) after copying it there."
-    return widget_problem(node, **widgets)
+def _choices(kind: str) -> list[str]:
+    """`bridge.model_choices`, plus the `.gguf` files of the DiT folders (diffusion_models, unet): ComfyUI's own file
+    lists leave that extension out, so the DiT loader finds them itself, in the same folders."""
+    choices = bridge.model_choices(kind)
+    if kind != "diffusion_models":
+        return choices
+    ggufs = {str(p.relative_to(folder)) for folder in bridge._folders(kind) if folder.is_dir()
+             for p in folder.rglob("*.gguf") if p.is_file()}
+    repos = [c for c in choices if c.startswith(bridge.DIFFUSERS_PREFIX)]
+    return sorted(ggufs.union(c for c in choices if c not in repos)) + repos
+
+
+def _not_listed(kind: str, name) -> str | None:
+    if name in _choices(kind):
+        return None
+    return f"{name!r} is not in the {kind} folders; pick a listed file or refresh (R) after copying it there."
+
+
+def _file_problem(node, kind: str, name, **widgets) -> str | bool:
+    """A loader's `validate_inputs`: a listed file and widgets inside their lists. A name fed by a link (a switch,
+    a primitive) is None here and is checked by `execute` once it is known."""
+    problem = _not_listed(kind, name) if name is not None else None
+    return problem or widget_problem(node, **widgets)
+
+
+def _checked_path(node, kind: str, name, **widgets) -> Path:
+    """Where `name` is, after the checks `validate_inputs` makes, with the same messages. Only names that
+    `model_choices` lists pass, so nothing outside the model folders can be named ("../../x.safetensors")."""
+    require(_not_listed(kind, name) or widget_problem(node, **widgets))
+    return bridge.model_path(kind, name)
 
 
 def _default_dtype(weight_dtype: str, device: torch.device) -> str:
@@ -53,29 +83,38 @@ class QI21ModelLoader(io.ComfyNode):
             description="Loads the 7B Qwen-Image 2.1 DiT. Base and Turbo share the file format; the variant is read "
                         "from the diffusers model_index.json or the file name and checked by the samplers.",
             inputs=[
-                io.Combo.Input("model_name", options=bridge.model_choices("diffusion_models"),
+                io.Combo.Input("model_name", options=_choices("diffusion_models"),
                                tooltip="qwen_image_2.1_bf16.safetensors / qwen_image_2.1_turbo_bf16.safetensors in "
-                                       "models/diffusion_models, or a diffusers Qwen-Image-2.1 folder in models/diffusers."),
+                                       "models/diffusion_models, a GGUF of them (.gguf, Q8_0 to Q2_K: 8-12 GB GPUs; "
+                                       "needs `pip install gguf`), or a diffusers Qwen-Image-2.1 folder in "
+                                       "models/diffusers."),
                 io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
-                               tooltip="default keeps the file's bf16 (14.2 GB) on a GPU, fp32 on a CPU. fp8_e4m3fn stores the block weights in "
-                                       "fp8 (about 7.5 GB) and computes in bf16, at a small quality cost. fp32 doubles "
-                                       "memory and is for checking only."),
+                               tooltip="default keeps the file's bf16 (14.2 GB) on a GPU, fp32 on a CPU. fp8_e4m3fn "
+                                       "stores the block weights in fp8 (about 7.5 GB) and computes in bf16, at a "
+                                       "small quality cost. fp32 doubles memory and is for checking only. A .gguf "
+                                       "file stays quantized: this picks its compute dtype (default = bf16; not "
+                                       "fp8_e4m3fn)."),
                 io.Combo.Input("attention", options=["auto", "sdpa", "flex"], default="auto", optional=True,
-                               tooltip="Prefill attention. auto = sdpa: exact, no compilation. flex runs the block-causal "
-                                       "prefill in one compiled call (CUDA); first use compiles for a while."),
+                               tooltip="Prefill attention. auto = sdpa: exact, no compilation. flex runs the "
+                                       "block-causal prefill in one compiled call (CUDA); first use compiles for a "
+                                       "while."),
+                io.Combo.Input("plan", options=list(PLACEMENTS), default="auto", optional=True,
+                               tooltip=PLAN_TOOLTIP),
             ],
             outputs=[Model.Output(display_name="model")],
         )
 
     @classmethod
-    def validate_inputs(cls, model_name, **kwargs):
-        return _unknown_file(cls, "diffusion_models", model_name, **kwargs)
+    def validate_inputs(cls, model_name=None, **kwargs):
+        return _file_problem(cls, "diffusion_models", model_name, **kwargs)
 
     @classmethod
-    def execute(cls, model_name, weight_dtype, attention="auto") -> io.NodeOutput:
-        path = bridge.model_path("diffusion_models", model_name)
+    def execute(cls, model_name, weight_dtype, attention="auto", plan="auto") -> io.NodeOutput:
+        path = _checked_path(cls, "diffusion_models", model_name, weight_dtype=weight_dtype, attention=attention,
+                             plan=plan)
         weight_dtype = _default_dtype(weight_dtype, bridge.compute_device())
         model = _load(load_dit, path, weight_dtype=weight_dtype, device=bridge.offload_device(), attention=attention)
+        model.placement = plan  # read by the samplers' memory planner (nodes/placement.py)
         bridge.log.info("qi21: loaded %s (%s layout, variant %s from %s)", path.name, model.source.layout,
                         model.source.variant, model.source.variant_from)
         return io.NodeOutput(model)
@@ -97,8 +136,8 @@ class QI21TextEncoderLoader(io.ComfyNode):
                                tooltip="qwen3vl_8b_bf16.safetensors in models/text_encoders, or a diffusers "
                                        "Qwen-Image-2.1 folder in models/diffusers."),
                 io.Combo.Input("weight_dtype", options=["default", "bf16", "fp16", "fp32"], default="default",
-                               tooltip="default keeps the file's bf16 (16.3 GB) on a GPU, fp32 on a CPU. fp32 doubles memory for no visible "
-                                       "gain; fp16 is untested on the real weights."),
+                               tooltip="default keeps the file's bf16 (16.3 GB) on a GPU, fp32 on a CPU. fp32 doubles "
+                                       "memory for no visible gain; fp16 is untested on the real weights."),
                 io.Combo.Input("device", options=["default", "cpu"], default="default", optional=True,
                                tooltip="default encodes on the GPU and offloads the encoder to RAM afterwards. cpu "
                                        "never touches VRAM but encoding takes tens of seconds."),
@@ -107,16 +146,16 @@ class QI21TextEncoderLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, text_encoder_name, **kwargs):
-        return _unknown_file(cls, "text_encoders", text_encoder_name, **kwargs)
+    def validate_inputs(cls, text_encoder_name=None, **kwargs):
+        return _file_problem(cls, "text_encoders", text_encoder_name, **kwargs)
 
     @classmethod
     def execute(cls, text_encoder_name, weight_dtype, device="default") -> io.NodeOutput:
-        path = bridge.model_path("text_encoders", text_encoder_name)
+        path = _checked_path(cls, "text_encoders", text_encoder_name, weight_dtype=weight_dtype, device=device)
         runs_on = torch.device("cpu") if device == "cpu" else bridge.compute_device()
-        encoder = _load(load_text_encoder, path, dtype=_default_dtype(weight_dtype, runs_on), device=bridge.offload_device(),
-                        fallback_tokenizer_dir=bridge.comfy_tokenizer_dir())
-        encoder.preferred_device = torch.device("cpu") if device == "cpu" else None
+        encoder = _load(load_text_encoder, path, weight_dtype=_default_dtype(weight_dtype, runs_on),
+                        device=bridge.offload_device(), fallback_tokenizer_dir=bridge.comfy_tokenizer_dir())
+        encoder.preferred_device = torch.device("cpu") if device == "cpu" else None  # None: the compute device
         return io.NodeOutput(encoder)
 
 
@@ -135,18 +174,19 @@ class QI21VAELoader(io.ComfyNode):
                                tooltip="qwen_image_2.1_vae_bf16.safetensors in models/vae, or a diffusers "
                                        "Qwen-Image-2.1 folder in models/diffusers."),
                 io.Combo.Input("weight_dtype", options=["default", "bf16", "fp32"], default="default",
-                               tooltip="default keeps the file's precision on a GPU (bf16 for an fp16 file: the decoder "
-                                       "overflows fp16), fp32 on a CPU. fp32 is exact but twice the memory and slower."),
+                               tooltip="default keeps the file's precision on a GPU (bf16 for an fp16 file: the "
+                                       "decoder overflows fp16), fp32 on a CPU. fp32 is exact but twice the memory and "
+                                       "slower."),
             ],
             outputs=[VAE.Output(display_name="vae")],
         )
 
     @classmethod
-    def validate_inputs(cls, vae_name, **kwargs):
-        return _unknown_file(cls, "vae", vae_name, **kwargs)
+    def validate_inputs(cls, vae_name=None, **kwargs):
+        return _file_problem(cls, "vae", vae_name, **kwargs)
 
     @classmethod
     def execute(cls, vae_name, weight_dtype) -> io.NodeOutput:
-        path = bridge.model_path("vae", vae_name)
+        path = _checked_path(cls, "vae", vae_name, weight_dtype=weight_dtype)
         weight_dtype = _default_dtype(weight_dtype, bridge.compute_device())
         return io.NodeOutput(_load(load_vae, path, weight_dtype=weight_dtype, device=bridge.offload_device()))

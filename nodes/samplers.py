@@ -2,24 +2,35 @@
 
 import json
 
+import torch
+
 from ..model.cache_store import DEFAULT_STORE
-from ..model.latent_format import preview_image, to_raw
-from ..model.pipeline import target_size
+from ..model.img2img import check_denoise, check_latent, denoise_tail, fixed_tail, latent_mask
+from ..model.latents import (
+    LATENT_CHANNELS,
+    LATENT_TOKEN_PIXELS,
+    latent_shape,
+    preview_image,
+    sampling_size,
+    target_size,
+)
 from ..model.sampling import initial_noise, sample
-from ..model.schedule import base_sigmas, sampling_size, turbo_sigmas
-from . import bridge
+from ..model.schedule import base_sigmas, literal_sigmas, turbo_sigmas
+from . import bridge, placement
 from .bridge import io
 from .types import CATEGORY, Conditioning, Model
-from .validation import widget_problem
+from .validation import require, widget_problem
 
-MIN_SIZE, MAX_SIZE = 256, 4096
+MIN_SIZE, MAX_SIZE = 32, 4096  # the reference pipeline runs any multiple of 32
+TRAINED_MIN_SIZE = 256  # below this the report notes that the model was trained at larger sizes
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 SIZE_TOOLTIP = ("0 follows the last reference's size (the reference pipeline's default), or 1024 without references. "
                 "Other values are floored to a multiple of 32, as the reference pipeline does.")
 PREFIX_CACHE_TOOLTIP = ("on: the first step computes the prompt and references once and caches their keys/values "
-                        "(0.5 MiB per prefix token in bf16); later steps run only the image. Exact, and faster the more "
-                        "references you use. off recomputes the prefix every step: slower, the way to rule the cache out.")
+                        "(0.5 MiB per prefix token in bf16); later steps run only the image. Exact, and faster the "
+                        "more references you use. off recomputes the prefix every step: slower, the way to rule the "
+                        "cache out.")
 KEEP_CACHE_TOOLTIP = ("Keep the prefix cache after the run (bounded store, least-recently-used eviction) so the next "
                       "run with the same model, prompt and references (another seed, size or batch) skips the first "
                       "step's prefill. Costs the cache's memory between runs; off frees it at the end.")
@@ -30,14 +41,17 @@ def _size_inputs():
         io.Int.Input("width", default=0, min=0, max=MAX_SIZE, step=32, tooltip=SIZE_TOOLTIP),
         io.Int.Input("height", default=0, min=0, max=MAX_SIZE, step=32, tooltip=SIZE_TOOLTIP),
         io.Int.Input("batch_size", default=1, min=1, max=64,
-                     tooltip="Images per run, one seed each (seed, seed's next noise rows). They share one prefix "
-                             "cache, so a batch costs no extra cache memory."),
+                     tooltip="Images per run. One CPU generator seeded with seed draws the noise of the whole batch "
+                             "at once: image 1 starts from the noise of a batch-1 run with this seed, image b from "
+                             "that generator's next draws (not from seed + b - 1). They share one prefix cache, so a "
+                             "batch costs no extra cache memory."),
     ]
 
 
 def _cache_inputs():
     return [
-        io.Combo.Input("prefix_cache", options=["on", "off"], default="on", optional=True, tooltip=PREFIX_CACHE_TOOLTIP),
+        io.Combo.Input("prefix_cache", options=["on", "off"], default="on", optional=True,
+                       tooltip=PREFIX_CACHE_TOOLTIP),
         io.Boolean.Input("keep_cache", default=False, optional=True, tooltip=KEEP_CACHE_TOOLTIP),
     ]
 
@@ -46,34 +60,92 @@ def _check_size(node, width, height, **widgets) -> str | bool:
     for name, value in (("width", width), ("height", height)):
         if value and not MIN_SIZE <= value <= MAX_SIZE:
             return f"{name} = {value}: use 0 (follow the reference / 1024) or a size from {MIN_SIZE} to {MAX_SIZE}."
+    denoise = widgets.get("denoise")
+    if denoise is not None and not 0.0 < denoise <= 1.0:  # None: linked, checked in execute
+        return (f"denoise = {denoise}: use a value in (0, 1]. 1 starts from pure noise; lower values keep more of "
+                "the latent_image (0 would run no step at all).")
     return widget_problem(node, **widgets)
 
 
-def _require(verdict: str | bool) -> None:
-    """Raise `validate_inputs`' message. ComfyUI validates only the values it knows before the run: a size or a
-    step count that arrives through a link (or from a script calling `execute`) reaches `execute` unchecked, so
-    it checks again there, before the model moves or any noise is drawn."""
-    if verdict is not True:
-        raise ValueError(verdict)
+def _start_image(latent_image, width, height, batch_size):
+    """(raw latents (B, 64, h, w), noise mask or None, width, height, batch) from a LATENT; sizes must agree."""
+    raw = check_latent(latent_image.get("samples") if isinstance(latent_image, dict) else None)
+    own_w, own_h = raw.shape[-1] * LATENT_TOKEN_PIXELS, raw.shape[-2] * LATENT_TOKEN_PIXELS
+    if (width and width != own_w) or (height and height != own_h):
+        raise ValueError(f"width x height = {width or own_w}x{height or own_h} but latent_image is {own_w}x{own_h}; "
+                         "set width and height to 0 to follow the latent, or resize the latent first.")
+    if sampling_size(own_w, own_h) != (own_w, own_h):
+        raise ValueError(f"latent_image is {own_w}x{own_h} px; Qwen-Image 2.1 generates sizes in multiples of 32. "
+                         "Encode an image whose sides are multiples of 32 (Qwen-Image 2.1 VAE Encode crops to them).")
+    batch = raw.shape[0]
+    if batch > 1 and batch_size not in (1, batch):
+        raise ValueError(f"batch_size = {batch_size} but latent_image holds {batch} latents; use 1 or {batch}.")
+    return raw, latent_image.get("noise_mask"), own_w, own_h, max(batch, batch_size)
+
+
+def _reference_difference(positive, negative) -> str | None:
+    """How the negative prompt's references differ from the positive's (the reference pipeline uses the same)."""
+    if negative is None:
+        return None
+    if positive.ref_shapes == negative.ref_shapes and (
+            positive.references is None or torch.equal(positive.references, negative.references)):
+        return None
+    if len(positive.ref_shapes) != len(negative.ref_shapes):
+        return (f"{len(negative.ref_shapes)} references in the negative prompt, {len(positive.ref_shapes)} in the "
+                "positive")
+    if positive.ref_shapes != negative.ref_shapes:
+        return "the negative prompt's references have other sizes than the positive's"
+    return "the negative prompt's references are other images than the positive's"
 
 
 def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigmas_for, negative=None, cfg=1.0,
-        prefix_cache="on", keep_cache=False) -> io.NodeOutput:
-    """What both samplers do: size, schedule, sampling with progress/interrupt/previews, report, LATENT."""
+        prefix_cache="on", keep_cache=False, sigmas=None, latent_image=None, denoise=1.0,
+        add_noise=True) -> io.NodeOutput:
+    """What both samplers do: size, schedule, start image, sampling with progress/interrupt/previews, report,
+    LATENT. `sigmas_for(width, height, denoise)` is the sampler's own schedule."""
     notes = []
-    wanted = target_size(width, height, positive)
-    width, height = sampling_size(*wanted)
-    if (width, height) != tuple(wanted):
-        notes.append(f"size {wanted[0]}x{wanted[1]} floored to {width}x{height} (multiples of 32)")
+    denoise = 1.0 if denoise is None else float(denoise)
+    check_denoise(denoise)
+    raw = mask = None
+    if latent_image is not None:
+        raw, mask, width, height, batch_size = _start_image(latent_image, width, height, batch_size)
+    else:
+        wanted = target_size(width, height, positive.ref_shapes[-1] if positive.ref_shapes else None)
+        width, height = sampling_size(*wanted)
+        if (width, height) != tuple(wanted):
+            notes.append(f"size {wanted[0]}x{wanted[1]} floored to {width}x{height} (multiples of 32)")
+    if min(width, height) < TRAINED_MIN_SIZE:
+        notes.append(f"{width}x{height} is below {TRAINED_MIN_SIZE} px: runs as the reference pipeline does, but the "
+                     "model was trained at larger sizes (expect weak images)")
     variant = getattr(getattr(model, "source", None), "variant", "unknown")
     expected = "turbo" if sampler == "turbo" else "base"
     if variant not in (expected, "unknown"):
         notes.append(f"a {variant} model in the {sampler} sampler: use the Qwen-Image 2.1 "
-                     f"{'Turbo ' if variant == 'turbo' else ''}Sampler for it (its schedule is what it was trained for)")
+                     f"{'Turbo ' if variant == 'turbo' else ''}Sampler for it (its schedule is what it was trained "
+                     "for)")
+    if sigmas is not None:
+        sigmas = literal_sigmas(sigmas, "sigmas")
+        if denoise < 1.0:
+            notes.append("denoise ignored: the connected sigmas are used as they are")
+    else:
+        sigmas = sigmas_for(width, height, denoise)
+    if sampler == "turbo" and not torch.equal(sigmas, model_turbo_sigmas(model)):
+        notes.append("Turbo was distilled for its stored 8-sigma schedule; other schedules or denoise < 1 may "
+                     "lose quality")
+    difference = _reference_difference(positive, negative if cfg > 1 else None)
+    if difference:
+        notes.append(f"{difference} (the reference pipeline encodes both prompts with the same images)")
+    if raw is None and sigmas[0].item() < 1.0:
+        # as ComfyUI does with an empty latent: the start mixes noise with an all-zero (raw) image
+        raw = torch.zeros(1, LATENT_CHANNELS, *latent_shape(width, height))
+    if raw is None and not add_noise:
+        raise ValueError("add_noise is off but no latent_image is connected: add_noise off continues an already "
+                         "noised latent (the second half of a split schedule). Connect one, or turn add_noise on.")
     for note in notes:
         bridge.log.warning("qi21 %s sampler: %s", sampler, note)
 
-    sigmas = sigmas_for(width, height)
+    plan = _check_memory(model, positive, negative if cfg > 1 else None, width, height, batch_size,
+                         prefix_cache == "on")
     progress = bridge.Progress(len(sigmas) - 1)
     show_previews = bridge.previews_enabled()
 
@@ -82,15 +154,57 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
         progress.update(info.step + 1, preview_image(info.denoised) if show_previews else None)
 
     noise = initial_noise(seed, batch_size, height, width)
-    bridge.load_managed(model, on_unload=lambda m: DEFAULT_STORE.evict_model(id(m)))
-    result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise, negative=negative,
-                    cfg=cfg, prefix_cache=prefix_cache == "on", keep_cache=keep_cache, callback=on_step)
+    grid = latent_shape(width, height)
+    start = None if raw is None else positive.latent_format.normalize(raw)
+    noise_mask = None if mask is None else latent_mask(mask, grid, batch_size)
+    # -- memory plan (nodes/placement.py): load as planned, stream blocks / cache if planned, report plan and peak --
+    with placement.placed(model, plan, on_unload=lambda m: DEFAULT_STORE.evict_model(id(m))) as placed:
+        result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise, negative=negative,
+                        cfg=cfg, prefix_cache=prefix_cache == "on", keep_cache=keep_cache, callback=on_step,
+                        check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
+                        add_noise=add_noise, new_cache=placed.new_cache)
     report = dict(result.report)
+    report.update(placed.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
     if notes:
         report["notes"] = notes + report.get("notes", [])
     bridge.log.info("qi21_report %s", json.dumps(report))
-    latents = to_raw(result.latents.float()).cpu()
-    return io.NodeOutput({"samples": latents}, ui={"qi21_report": [report]})
+    out = {key: latent_image[key] for key in ("noise_mask", "batch_index") if key in (latent_image or {})}
+    out["samples"] = positive.latent_format.denormalize(result.latents.float()).cpu()
+    return io.NodeOutput(out, ui={"qi21_report": [report]})
+
+
+def _check_memory(model, positive, negative, width, height, batch, prefix_cache: bool):
+    """The run's memory plan (model/planner.py via nodes/placement.py), made before the noise or anything else is
+    allocated: a run that fits no placement (a 4096x4096 batch of 64 is within the widgets' limits and would
+    otherwise grow until the OS kills the server) is refused here with the least memory it needs and what to
+    change."""
+    return placement.plan_sampling(model, positive, negative, width, height, batch, prefix_cache)
+
+
+def model_turbo_sigmas(model) -> torch.Tensor:
+    """The Turbo schedule with its terminal 0: the loaded diffusers folder's own `sample_sigmas` when it has them
+    (`DiTSource.sigmas`), else the released 8-sigma grid."""
+    grid = getattr(getattr(model, "source", None), "sigmas", None)
+    return torch.tensor((*grid, 0.0), dtype=torch.float32) if grid else turbo_sigmas()
+
+
+def _start_inputs():
+    """Inputs both samplers append (optional; saved workflows keep working without them)."""
+    return [
+        io.Sigmas.Input("sigmas", optional=True,
+                        tooltip="A schedule to use as it is (e.g. from ManualSigmas, SplitSigmas or Qwen-Image 2.1 "
+                                "Schedule); it replaces the built-in one and steps is ignored. One ending above 0 "
+                                "returns a partly denoised latent for a second sampler."),
+        io.Latent.Input("latent_image", optional=True,
+                        tooltip="Start from this image (img2img) instead of pure noise; its noise_mask (from "
+                                "SetLatentNoiseMask) repaints only where the mask is 1. Width and height follow it."),
+        io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, optional=True,
+                       tooltip="How much of latent_image to redo: 1 starts from pure noise (text-to-image); lower "
+                               "keeps more of the image and runs only the last steps of a longer schedule."),
+        io.Boolean.Input("add_noise", default=True, optional=True,
+                         tooltip="Off: latent_image is already noised to the first sigma (the second sampler of a "
+                                 "schedule split with SplitSigmas). On: noise it first (img2img)."),
+    ]
 
 
 class QI21Sampler(io.ComfyNode):
@@ -119,26 +233,29 @@ class QI21Sampler(io.ComfyNode):
                 Conditioning.Input("negative", optional=True,
                                    tooltip="Negative prompt for true CFG; used only when cfg > 1."),
                 *_cache_inputs(),
+                *_start_inputs(),
             ],
             outputs=[io.Latent.Output(display_name="LATENT")],
         )
 
     @classmethod
     def validate_inputs(cls, width=0, height=0, steps=40, cfg=1.0, **kwargs):
-        if steps < 1:
+        # None: linked (ComfyUI passes no value before the run); execute calls this again with the real one
+        if steps is not None and steps < 1:
             return f"steps = {steps}: at least 1 step is needed (40 is the official setting)."
-        if not cfg >= 1.0:  # also refuses NaN
+        if cfg is not None and not cfg >= 1.0:  # also refuses NaN
             return f"cfg = {cfg}: true CFG scales below 1 are not meaningful; use 1 (off) or more."
         return _check_size(cls, width, height, steps=steps, cfg=cfg, **kwargs)
 
     @classmethod
     def execute(cls, model, positive, seed, steps, cfg, width, height, batch_size, negative=None, prefix_cache="on",
-                keep_cache=False) -> io.NodeOutput:
-        _require(cls.validate_inputs(width=width, height=height, steps=steps, cfg=cfg, batch_size=batch_size, seed=seed,
-                                     prefix_cache=prefix_cache))
+                keep_cache=False, sigmas=None, latent_image=None, denoise=1.0, add_noise=True) -> io.NodeOutput:
+        require(cls.validate_inputs(width=width, height=height, steps=steps, cfg=cfg, batch_size=batch_size, seed=seed,
+                                     prefix_cache=prefix_cache, denoise=denoise))
         return run(model, positive, sampler="base", seed=seed, width=width, height=height, batch_size=batch_size,
-                   sigmas_for=lambda w, h: base_sigmas(steps, w, h), negative=negative, cfg=cfg,
-                   prefix_cache=prefix_cache, keep_cache=keep_cache)
+                   sigmas_for=lambda w, h, d: denoise_tail(lambda n: base_sigmas(n, w, h), steps, d),
+                   negative=negative, cfg=cfg, prefix_cache=prefix_cache, keep_cache=keep_cache, sigmas=sigmas,
+                   latent_image=latent_image, denoise=denoise, add_noise=add_noise)
 
 
 class QI21TurboSampler(io.ComfyNode):
@@ -159,6 +276,7 @@ class QI21TurboSampler(io.ComfyNode):
                              tooltip="Noise seed (CPU generator, the same noise as diffusers for this seed)."),
                 *_size_inputs(),
                 *_cache_inputs(),
+                *_start_inputs(),
             ],
             outputs=[io.Latent.Output(display_name="LATENT")],
         )
@@ -168,8 +286,11 @@ class QI21TurboSampler(io.ComfyNode):
         return _check_size(cls, width, height, **kwargs)
 
     @classmethod
-    def execute(cls, model, positive, seed, width, height, batch_size, prefix_cache="on", keep_cache=False) -> io.NodeOutput:
-        _require(cls.validate_inputs(width=width, height=height, batch_size=batch_size, seed=seed,
-                                     prefix_cache=prefix_cache))
+    def execute(cls, model, positive, seed, width, height, batch_size, prefix_cache="on", keep_cache=False,
+                sigmas=None, latent_image=None, denoise=1.0, add_noise=True) -> io.NodeOutput:
+        require(cls.validate_inputs(width=width, height=height, batch_size=batch_size, seed=seed,
+                                     prefix_cache=prefix_cache, denoise=denoise))
         return run(model, positive, sampler="turbo", seed=seed, width=width, height=height, batch_size=batch_size,
-                   sigmas_for=lambda w, h: turbo_sigmas(), prefix_cache=prefix_cache, keep_cache=keep_cache)
+                   sigmas_for=lambda w, h, d: fixed_tail(model_turbo_sigmas(model), d), prefix_cache=prefix_cache,
+                   keep_cache=keep_cache, sigmas=sigmas, latent_image=latent_image, denoise=denoise,
+                   add_noise=add_noise)

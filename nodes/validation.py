@@ -5,6 +5,10 @@ ComfyUI checks every widget value against its schema before a prompt runs, excep
 `if x not in validate_function_inputs and not validate_has_kwargs:` guards the min/max/combo checks). Our loaders
 and samplers take `**kwargs`, so they call `widget_problem` first; values sent through the API (or by a script
 calling `execute`) then meet the same limits as values typed into the UI.
+
+An input linked from another node (a primitive, a switch) reaches `validate_inputs` as None: its value only
+exists once the graph runs. Every validator therefore passes None through, and every node checks again in
+`execute` (with `require`), where all values are known; nothing a validator refuses gets through a link.
 """
 
 
@@ -20,7 +24,8 @@ def widget_option(spec, key: str):
 def widget_problem(node, **values) -> str | bool:
     """True when every given value fits its input's schema; else a message naming the first input that does not.
 
-    `None` values are skipped: ComfyUI leaves linked inputs out at validation time, and our nodes default them.
+    `None` values are skipped: ComfyUI passes None for every linked input at validation time (the value comes
+    later), and `execute` checks again with the real values.
     """
     for spec in node.define_schema().inputs:
         value = values.get(spec.id)
@@ -35,3 +40,10 @@ def widget_problem(node, **values) -> str | bool:
                 (low is not None and not value >= low) or (high is not None and not value <= high)):
             return f"{spec.id} = {value}: expected a value from {low} to {high}."
     return True
+
+
+def require(verdict: str | bool) -> None:
+    """Raise a validator's message (anything but True) as a ValueError: the check `execute` repeats for the
+    values that `validate_inputs` could not see."""
+    if verdict is not True:
+        raise ValueError(verdict)

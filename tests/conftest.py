@@ -1,19 +1,29 @@
-"""Make the repository importable as `qi21` whatever its folder is called.
+"""What every test module shares: the repository imported as package `qi21`, a fixed seed, and the tiny random
+checkpoint set written once per test run.
 
-ComfyUI imports the pack by its folder name (often `ComfyUI-QwenImage21`, which is not a valid module
-name), so the tests register the repository root under one stable package name instead.
+ComfyUI imports the pack by its folder name (often `ComfyUI-QwenImage21`, which is not a valid module name), so
+the tests register the repository root under one stable package name instead, with the helper the demo, the
+benchmarks and the workflow builder use (demo/pack_import.py, loaded by its path: pytest puts tests/, not the
+repository, on `sys.path`). The helper modules beside this file (`*_fixtures.py`, `oracle.py`) are imported by
+name.
 """
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
-from pack_import import import_pack  # noqa: E402
 
-import_pack()
+def _import_pack():
+    path = Path(__file__).resolve().parents[1] / "demo" / "pack_import.py"
+    spec = importlib.util.spec_from_file_location("qi21_pack_import", path)
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    return helper.import_pack()
+
+
+_import_pack()
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
@@ -21,3 +31,32 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 def _deterministic_seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """The tiny random checkpoint set in every real file layout (demo/tiny_checkpoints.py), written once per run:
+    `{"root": the models folder, "dit", "turbo_dit", "text_encoder", "vae", "tokenizer", "diffusers_base",
+    "diffusers_turbo": its files and folders}`. Shared by every module, so never written to: a module that needs
+    more files in the folder copies it first (test_bad_inputs.py)."""
+    from qi21.demo.tiny_checkpoints import write_tiny_checkpoints  # imported here: a broken pack fails its tests only
+
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="module")
+def models_root(tiny_models) -> Path:
+    """The tiny set as the loaders' models folder for one module (reset afterwards)."""
+    from qi21.nodes import bridge
+
+    bridge.set_models_root(tiny_models["root"])
+    yield tiny_models["root"]
+    bridge.set_models_root(None)
+
+
+@pytest.fixture(scope="module")
+def dit_pair():
+    """(diffusers' transformer, our DiT) with the same random fp32 weights (dit_fixtures.tiny_pair), per module."""
+    from dit_fixtures import tiny_pair
+
+    return tiny_pair()

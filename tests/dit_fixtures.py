@@ -5,6 +5,8 @@ head in the released 16/56/56 ratio), width 64, text width 48, SwiGLU ratio 3. E
 is random, so a mis-mapped or mis-applied tensor cannot hide behind an identity initialisation.
 """
 
+from dataclasses import dataclass
+
 import torch
 from diffusers import QwenImage21Transformer2DModel
 
@@ -72,6 +74,20 @@ def make_case(ref_shapes, target_shape, text_runs, batch=1, pad=(), seed=1, cont
         for b in range(batch)
     ]
     return reference_kwargs, prefixes, latents[:, ref_tokens:]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A named forward for `make_case`: reference latent shapes, target shape, text runs around the references,
+    batch and right padding per sample."""
+    refs: tuple
+    target: tuple
+    runs: tuple
+    batch: int = 1
+    pad: tuple = ()
+
+    def make(self, **kwargs):
+        return make_case(self.refs, self.target, self.runs, batch=self.batch, pad=self.pad, **kwargs)
 
 
 def reference_velocity(reference, kwargs, timestep, **extra):

@@ -1,35 +1,31 @@
-"""Helpers shared by the reliability tests: the tiny model set behind the nodes, loaded in fp32 (CPUs without
-native bf16 run bf16 matmuls and convolutions 10-20x slower), conditioning built without the text encoder, and
-what "nothing left behind" means (no live models, no filled prefix cache, no extra tensor bytes)."""
+"""Helpers shared by the node-level tests: the tiny model set behind the nodes (the `models_root` fixture of
+conftest.py points the loaders at it), loaded in fp32 (CPUs without native bf16 run bf16 matmuls and
+convolutions 10-20x slower), conditioning built without the text encoder, and what "nothing left behind" means
+(no live models, no filled prefix cache, no extra tensor bytes)."""
 
+import contextlib
 import gc
 import os
 
 import torch
 
-from qi21.demo.tiny_checkpoints import write_tiny_checkpoints
+from qi21.demo import tiny_checkpoints as tiny
+from qi21.model.cache_store import DEFAULT_STORE
 from qi21.model.conditioning import Conditioning
 from qi21.model.dit import QwenImage21DiT
 from qi21.model.prefix_cache import PrefixKVCache
 from qi21.model.vae import QwenImage21VAE
-from qi21.nodes import bridge
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
 
-SINGLE = {"model": "qwen_image_2.1_bf16.safetensors", "turbo": "qwen_image_2.1_turbo_bf16.safetensors",
-          "text_encoder": "qwen3vl_8b_bf16.safetensors", "vae": "qwen_image_2.1_vae_bf16.safetensors"}
-TEXT_WIDTH = 16  # the tiny text encoder's hidden size = the tiny DiT's context width
-
-
-def models_root(tmp_path_factory):
-    """Write the tiny set and point the loaders at it (callers reset with `bridge.set_models_root(None)`)."""
-    root = tmp_path_factory.mktemp("models")
-    write_tiny_checkpoints(root)
-    bridge.set_models_root(root)
-    return root
+#: The tiny set's single files (the released names), by component.
+SINGLE = {"model": tiny.DIT_FILE, "turbo": tiny.TURBO_DIT_FILE, "text_encoder": tiny.TEXT_ENCODER_FILE,
+          "vae": tiny.VAE_FILE}
+TEXT_WIDTH = tiny.TINY_DIT.context_in_dim  # the tiny text encoder's hidden size = the tiny DiT's context width
 
 
 def load(*names: str, dtype: str = "fp32") -> dict:
-    """The named components ("model", "turbo", "text_encoder", "vae") through their loader nodes."""
+    """The named components ("model", "turbo", "text_encoder", "vae") through their loader nodes (from the
+    `models_root` fixture's folder)."""
     loaders = {"model": QI21ModelLoader, "turbo": QI21ModelLoader, "text_encoder": QI21TextEncoderLoader,
                "vae": QI21VAELoader}
     return {name: loaders[name].execute(SINGLE[name], dtype)[0] for name in names}
@@ -55,6 +51,20 @@ def synthetic_conditioning(prepared=(), text_runs=None, seed=0) -> Conditioning:
     )
 
 
+@contextlib.contextmanager
+def default_store_budget(budget_bytes: int):
+    """The samplers' kept-cache store, emptied and given `budget_bytes` for a while; emptied and given its budget
+    back afterwards."""
+    saved = DEFAULT_STORE.budget_bytes
+    DEFAULT_STORE.clear()
+    DEFAULT_STORE.budget_bytes = budget_bytes
+    try:
+        yield DEFAULT_STORE
+    finally:
+        DEFAULT_STORE.budget_bytes = saved
+        DEFAULT_STORE.clear()
+
+
 def live_models() -> int:
     """Our DiT/VAE modules and transformers' Qwen3-VL models still referenced anywhere."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
@@ -65,7 +75,38 @@ def live_models() -> int:
 
 
 def filled_caches() -> list:
-    return leftovers()[0]
+    """Prefix caches still holding a payload."""
+    gc.collect()
+    return [obj for obj in gc.get_objects() if type(obj) is PrefixKVCache and obj.filled]
+
+
+def safe_open_failing_at(read: int, error: type[BaseException], *args):
+    """A stand-in for `safetensors.safe_open` whose `read`-th tensor read (counted over every file it opens)
+    raises a new `error(*args)`: a load that fails halfway, for tests that monkeypatch it in."""
+    from safetensors import safe_open
+
+    reads = {"n": 0}
+
+    class FailingSafeOpen:
+        def __init__(self, *open_args, **kwargs):
+            self.inner = safe_open(*open_args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, key):
+            reads["n"] += 1
+            if reads["n"] == read:
+                raise error(*args)
+            return self.inner.get_tensor(key)
+
+    return FailingSafeOpen
 
 
 def leftovers() -> tuple[list, int]:

@@ -10,12 +10,13 @@ identity init.
 
 The tokenizer is generated, never copied: `write_qwen2_tokenizer` (in demo/tiny_checkpoints.py, shared with the
 demo's tiny model set) trains a small byte-level BPE with the `tokenizers` library on `TOKENIZER_CORPUS` (Qwen2's
-normalizer and pre-tokenizer, so the merges fit the way `Qwen2Tokenizer` splits text) and writes it as Qwen's tokenizer folders hold it: vocab.json + merges.txt +
-tokenizer_config.json. Qwen's added tokens keep their real ids (151643 `<|endoftext|>` ... 151655
-`<|image_pad|>` ... 151668 `</think>`): a single file carries no config, so the loader builds a `Qwen3VLConfig`
-whose image/vision token ids are the released ones, and the encoder checks the tokenizer against them. The
-vocabulary is therefore padded to 151643 entries with `<unused N>` tokens that byte-level BPE can never produce
-(a space is never a byte-level symbol), and the model's embedding stays 151936 rows wide like the real one.
+normalizer and pre-tokenizer, so the merges fit the way `Qwen2Tokenizer` splits text) and writes it as Qwen's
+tokenizer folders hold it: vocab.json + merges.txt + tokenizer_config.json. Qwen's added tokens keep their real ids
+(151643 `<|endoftext|>` ... 151655 `<|image_pad|>` ... 151668 `</think>`): a single file carries no config, so the
+loader builds a `Qwen3VLConfig` whose image/vision token ids are the released ones, and the encoder checks the
+tokenizer against them. The vocabulary is therefore padded to 151643 entries with `<unused N>` tokens that
+byte-level BPE can never produce (a space is never a byte-level symbol), and the model's embedding stays 151936 rows
+wide like the real one.
 The real Qwen vocabulary is only used by the tests that need it, from the folder `QI21_QWEN_TOKENIZER` names.
 """
 

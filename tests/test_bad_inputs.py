@@ -41,8 +41,10 @@ def _zeros(path, shapes):
 
 
 @pytest.fixture(scope="module")
-def models_root(tmp_path_factory):
-    root = gf.models_root(tmp_path_factory)
+def models_root(tiny_models, tmp_path_factory):
+    """A copy of the tiny set (the shared one is never written to) with wrong, broken and foreign files added."""
+    root = tmp_path_factory.mktemp("bad_inputs") / "models"
+    shutil.copytree(tiny_models["root"], root)
     foreign = {
         "diffusion_models/flux1-dev.safetensors": {"double_blocks.0.img_attn.qkv.weight": (12, 4),
                                                    "single_blocks.0.linear1.weight": (12, 4)},
@@ -70,6 +72,7 @@ def models_root(tmp_path_factory):
     (broken / "transformer" / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink()
     (broken / "text_encoder" / "model-00002-of-00002.safetensors").unlink()
     (broken / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    bridge.set_models_root(root)
     yield root
     bridge.set_models_root(None)
 
@@ -96,26 +99,38 @@ NEXT_STEP = {
 }
 PICKLE = ("not a safetensors file", "use the .safetensors release")
 TRUNCATED = ("is truncated", "download it again")
+
+
+def loader_case(loader, name, *says):
+    """A wrong file for one loader and what the message must say besides the file name."""
+    kind, node = loader
+    return pytest.param(kind, node, name, says, id=f"{node.__name__}-{name}")
+
+
 LOADER_CASES = [
-    # (loader, file, what the message must say besides the file name)
-    (MODEL, "flux1-dev.safetensors", ("is a Flux-style DiT, not a Qwen-Image 2.1 DiT", NEXT_STEP["diffusion_models"])),
-    (MODEL, "wrong_vae.safetensors", ("is a VAE, not a Qwen-Image 2.1 DiT", NEXT_STEP["diffusion_models"])),
-    (MODEL, "wrong_text_encoder.safetensors", ("is a text encoder", "not a Qwen-Image 2.1 DiT")),
-    (TEXT_ENCODER, "qwen_2.5_vl_7b.safetensors", ("Qwen2.5-VL text encoder (Qwen-Image 1.x)",
-                                                  NEXT_STEP["text_encoders"])),
-    (TEXT_ENCODER, "wrong_model.safetensors", ("is a Qwen-Image 2.1 DiT", "not the Qwen3-VL text encoder")),
-    (TEXT_ENCODER, "wrong_vae.safetensors", ("is a VAE, not the Qwen3-VL text encoder", NEXT_STEP["text_encoders"])),
-    (VAE, "sdxl_vae.safetensors", ("GroupNorm VAE (Stable Diffusion / Flux style), not the Qwen-Image 2.1 VAE",
-                                   NEXT_STEP["vae"])),
-    (VAE, "wrong_model.safetensors", ("is a Qwen-Image 2.1 DiT", "not the Qwen-Image 2.1 VAE", NEXT_STEP["vae"])),
-    (VAE, "wrong_text_encoder.safetensors", ("is a text encoder", "not the Qwen-Image 2.1 VAE")),
-    *[(loader, "truncated.safetensors", TRUNCATED) for loader in (MODEL, TEXT_ENCODER, VAE)],
-    *[(loader, name, PICKLE) for loader in (MODEL, TEXT_ENCODER, VAE) for name in ("weights.ckpt", "weights.pt")],
-    (MODEL, f"diffusers/{BROKEN_REPO}", ("diffusion_pytorch_model-00002-of-00002.safetensors", "are missing",
-                                         "Finish the download")),
-    (TEXT_ENCODER, f"diffusers/{BROKEN_REPO}", ("model-00002-of-00002.safetensors", "are missing",
-                                                "Finish the download")),
-    (VAE, f"diffusers/{BROKEN_REPO}", ("no .safetensors weights found", "diffusion_pytorch_model.safetensors")),
+    loader_case(MODEL, "flux1-dev.safetensors", "is a Flux-style DiT, not a Qwen-Image 2.1 DiT",
+                NEXT_STEP["diffusion_models"]),
+    loader_case(MODEL, "wrong_vae.safetensors", "is a VAE, not a Qwen-Image 2.1 DiT", NEXT_STEP["diffusion_models"]),
+    loader_case(MODEL, "wrong_text_encoder.safetensors", "is a text encoder", "not a Qwen-Image 2.1 DiT"),
+    loader_case(TEXT_ENCODER, "qwen_2.5_vl_7b.safetensors", "Qwen2.5-VL text encoder (Qwen-Image 1.x)",
+                NEXT_STEP["text_encoders"]),
+    loader_case(TEXT_ENCODER, "wrong_model.safetensors", "is a Qwen-Image 2.1 DiT", "not the Qwen3-VL text encoder"),
+    loader_case(TEXT_ENCODER, "wrong_vae.safetensors", "is a VAE, not the Qwen3-VL text encoder",
+                NEXT_STEP["text_encoders"]),
+    loader_case(VAE, "sdxl_vae.safetensors",
+                "GroupNorm VAE (Stable Diffusion / Flux style), not the Qwen-Image 2.1 VAE", NEXT_STEP["vae"]),
+    loader_case(VAE, "wrong_model.safetensors", "is a Qwen-Image 2.1 DiT", "not the Qwen-Image 2.1 VAE",
+                NEXT_STEP["vae"]),
+    loader_case(VAE, "wrong_text_encoder.safetensors", "is a text encoder", "not the Qwen-Image 2.1 VAE"),
+    *[loader_case(loader, "truncated.safetensors", *TRUNCATED) for loader in (MODEL, TEXT_ENCODER, VAE)],
+    *[loader_case(loader, name, *PICKLE) for loader in (MODEL, TEXT_ENCODER, VAE)
+      for name in ("weights.ckpt", "weights.pt")],
+    loader_case(MODEL, f"diffusers/{BROKEN_REPO}", "diffusion_pytorch_model-00002-of-00002.safetensors",
+                "are missing", "Finish the download"),
+    loader_case(TEXT_ENCODER, f"diffusers/{BROKEN_REPO}", "model-00002-of-00002.safetensors", "are missing",
+                "Finish the download"),
+    loader_case(VAE, f"diffusers/{BROKEN_REPO}", "no .safetensors weights found",
+                "diffusion_pytorch_model.safetensors"),
 ]
 
 
@@ -123,10 +138,8 @@ def _forbid(*args, **kwargs):
     raise AssertionError("a weight was read or a pickle was loaded before the file was refused")
 
 
-@pytest.mark.parametrize("loader, name, says", LOADER_CASES,
-                         ids=[f"{c[0][1].__name__}-{c[1]}" for c in LOADER_CASES])
-def test_a_wrong_file_is_refused_by_name_before_any_weight_is_read(models_root, monkeypatch, loader, name, says):
-    kind, node = loader
+@pytest.mark.parametrize("kind, node, name, says", LOADER_CASES)
+def test_a_wrong_file_is_refused_by_name_before_any_weight_is_read(models_root, monkeypatch, kind, node, name, says):
     assert name in bridge.model_choices(kind) and node.validate_inputs(name, weight_dtype="fp32") is True
     # Headers decide: no tensor is read (safe_open), nothing is unpickled (torch.load, pickle).
     for target in ("safetensors.safe_open", "qi21.model.text_encoder_loading.safe_open", "torch.load",
@@ -146,36 +159,17 @@ def test_a_wrong_file_is_refused_by_name_before_any_weight_is_read(models_root, 
     assert built == [] and gf.open_files() == files  # nothing loaded, no file handle left open
 
 
-@pytest.mark.parametrize("node, name", [(QI21ModelLoader, gf.SINGLE["model"]), (QI21VAELoader, gf.SINGLE["vae"]),
-                                        (QI21TextEncoderLoader, gf.SINGLE["text_encoder"])])
+@pytest.mark.parametrize("node, name", [
+    pytest.param(QI21ModelLoader, gf.SINGLE["model"], id="model"),
+    pytest.param(QI21VAELoader, gf.SINGLE["vae"], id="vae"),
+    pytest.param(QI21TextEncoderLoader, gf.SINGLE["text_encoder"], id="text_encoder"),
+])
 def test_a_load_failing_halfway_frees_the_half_built_model_while_the_error_is_reported(models_root, monkeypatch,
                                                                                        node, name):
     """ComfyUI holds the exception while it reports it; the half-filled model must not live that long."""
-    from safetensors import safe_open
-
-    reads = {"n": 0}
-
-    class FailingHalfway:
-        def __init__(self, *args, **kwargs):
-            self.inner = safe_open(*args, **kwargs)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, key):
-            reads["n"] += 1
-            if reads["n"] == 5:
-                raise OSError("disk read error")
-            return self.inner.get_tensor(key)
-
-    monkeypatch.setattr("safetensors.safe_open", FailingHalfway)
-    monkeypatch.setattr("qi21.model.text_encoder_loading.safe_open", FailingHalfway)
+    failing_halfway = gf.safe_open_failing_at(5, OSError, "disk read error")
+    monkeypatch.setattr("safetensors.safe_open", failing_halfway)
+    monkeypatch.setattr("qi21.model.text_encoder_loading.safe_open", failing_halfway)
     models = gf.live_models()
     with pytest.raises(OSError, match="disk read error") as error:
         node.execute(name, "fp32")
@@ -207,7 +201,9 @@ def vae_untouched(loaded, monkeypatch):
     return loaded["vae"]
 
 
-@pytest.mark.parametrize("shape", [(1, 0, 64, 3), (1, 64, 0, 4), (0, 64, 64, 3)])
+@pytest.mark.parametrize("shape", [pytest.param((1, 0, 64, 3), id="no rows"),
+                                   pytest.param((1, 64, 0, 4), id="no columns"),
+                                   pytest.param((0, 64, 64, 3), id="empty batch")])
 def test_an_empty_reference_is_refused_before_the_vae_runs(vae_untouched, shape):
     with pytest.raises(ValueError, match=r"empty \(shape"):
         QI21Reference.execute(vae_untouched, torch.zeros(shape), 1024)
@@ -221,11 +217,14 @@ def test_an_eleventh_reference_is_refused_before_the_vae_runs(loaded, monkeypatc
 
 
 @pytest.mark.parametrize("size, resolution, says", [
-    ((1, 1), 0, r"1x1 keeping its own size \(resolution 0\) becomes 0x0: .*minimum of 65536 .*Use resolution >= 256"),
-    ((1, 300), 1024, r"1x300 at resolution 1024 becomes 64x17728: more elongated than 200:1.*Crop the image first"),
-    ((200, 250), 0, r"200x250 keeping its own size .* becomes 192x224: .*Use resolution >= 288\."),
-    ((32, 45), 4096, r"32x45 at resolution 4096 becomes 3456x4864: .*above the vision processor's maximum of "
-                      r"16777216.*Use resolution <= 4064"),
+    pytest.param((1, 1), 0, r"1x1 keeping its own size \(resolution 0\) becomes 0x0: .*minimum of 65536 "
+                 r".*Use resolution >= 256", id="1x1 own size: too few pixels"),
+    pytest.param((1, 300), 1024, r"1x300 at resolution 1024 becomes 64x17728: more elongated than 200:1"
+                 r".*Crop the image first", id="1x300: too elongated"),
+    pytest.param((200, 250), 0, r"200x250 keeping its own size .* becomes 192x224: .*Use resolution >= 288\.",
+                 id="200x250 own size: too few pixels"),
+    pytest.param((32, 45), 4096, r"32x45 at resolution 4096 becomes 3456x4864: .*above the vision processor's "
+                 r"maximum of 16777216.*Use resolution <= 4064", id="32x45 at 4096: too many pixels"),
 ])
 def test_a_reference_the_vision_processor_would_rescale_is_refused_with_the_fix(vae_untouched, size, resolution,
                                                                                  says):
@@ -242,7 +241,8 @@ def test_a_1x1_reference_with_a_resolution_becomes_a_flat_swatch(loaded):
     assert torch.all(pixels == pixels[:, :1, :1]) and torch.isfinite(ref.tokens).all()
 
 
-@pytest.mark.parametrize("size, grid", [((64, 512), (46, 6)), ((512, 64), (6, 46))])
+@pytest.mark.parametrize("size, grid", [pytest.param((64, 512), (46, 6), id="portrait"),
+                                        pytest.param((512, 64), (6, 46), id="landscape")])
 def test_a_1_to_8_reference_keeps_its_aspect_at_the_requested_area(loaded, size, grid):
     ref = QI21Reference.execute(loaded["vae"], image(*size), 256)[0][0]
     width, height = ref.prepared.size
@@ -280,7 +280,8 @@ def test_a_batch_uses_its_first_image_and_says_so(loaded, caplog):
     assert len(from_batch) == 1 and torch.equal(from_batch[0].tokens, first[0].tokens)
 
 
-@pytest.mark.parametrize("resolution, size", [(0, (288, 256)), (256, (256, 256))])
+@pytest.mark.parametrize("resolution, size", [pytest.param(0, (288, 256), id="own size"),
+                                              pytest.param(256, (256, 256), id="resolution 256")])
 def test_a_reference_off_the_32_grid_is_resized_onto_it(loaded, resolution, size):
     ref = QI21Reference.execute(loaded["vae"], image(300, 270), resolution)[0][0]
     assert ref.prepared.size == size and ref.shape == (size[1] // 16, size[0] // 16)
@@ -320,22 +321,31 @@ def positive():
 
 BASE_DEFAULTS = dict(seed=7, steps=2, cfg=1.0, width=256, height=256, batch_size=1)
 TURBO_DEFAULTS = dict(seed=7, width=256, height=256, batch_size=1)
+
+
+def sampler_error(node, says, **change):
+    """One wrong sampler setting and the message (a regex) it must get."""
+    (name, value), = change.items()
+    return pytest.param(node, change, says, id=f"{node.__name__}-{name}={value}")
+
+
 SAMPLER_ERRORS = [
-    (QI21Sampler, dict(width=100), r"width = 100: use 0 \(follow the reference / 1024\) or a size from 256 to 4096"),
-    (QI21Sampler, dict(height=8192), r"height = 8192: use 0 .* or a size from 256 to 4096"),
-    (QI21TurboSampler, dict(width=31), r"width = 31: use 0"),
-    (QI21Sampler, dict(steps=0), r"steps = 0: at least 1 step is needed \(40 is the official setting\)"),
-    (QI21Sampler, dict(steps=500), r"steps = 500: expected a value from 1 to 200"),
-    (QI21Sampler, dict(cfg=0.5), r"cfg = 0.5: true CFG scales below 1 are not meaningful; use 1 \(off\) or more"),
-    (QI21Sampler, dict(cfg=float("nan")), r"cfg = nan: true CFG"),
-    (QI21Sampler, dict(batch_size=0), r"batch_size = 0: expected a value from 1 to 64"),
-    (QI21TurboSampler, dict(seed=-1), r"seed = -1: expected a value from 0 to 18446744073709551615"),
-    (QI21TurboSampler, dict(prefix_cache="maybe"), r"prefix_cache = 'maybe': expected one of on, off"),
+    sampler_error(QI21Sampler, r"width = 16: use 0 \(follow the reference / 1024\) or a size from 32 to 4096",
+                  width=16),
+    sampler_error(QI21Sampler, r"height = 8192: use 0 .* or a size from 32 to 4096", height=8192),
+    sampler_error(QI21TurboSampler, r"width = 31: use 0", width=31),
+    sampler_error(QI21Sampler, r"steps = 0: at least 1 step is needed \(40 is the official setting\)", steps=0),
+    sampler_error(QI21Sampler, r"steps = 500: expected a value from 1 to 200", steps=500),
+    sampler_error(QI21Sampler, r"cfg = 0.5: true CFG scales below 1 are not meaningful; use 1 \(off\) or more",
+                  cfg=0.5),
+    sampler_error(QI21Sampler, r"cfg = nan: true CFG", cfg=float("nan")),
+    sampler_error(QI21Sampler, r"batch_size = 0: expected a value from 1 to 64", batch_size=0),
+    sampler_error(QI21TurboSampler, r"seed = -1: expected a value from 0 to 18446744073709551615", seed=-1),
+    sampler_error(QI21TurboSampler, r"prefix_cache = 'maybe': expected one of on, off", prefix_cache="maybe"),
 ]
 
 
-@pytest.mark.parametrize("node, change, says", SAMPLER_ERRORS,
-                         ids=[f"{n.__name__}-{next(iter(c))}={next(iter(c.values()))}" for n, c, _ in SAMPLER_ERRORS])
+@pytest.mark.parametrize("node, change, says", SAMPLER_ERRORS)
 def test_sampler_settings_are_refused_before_the_model_moves(loaded, positive, monkeypatch, node, change, says):
     """Linked values and scripts reach `execute` without ComfyUI's validation, so it checks again, first."""
     model = loaded["model" if node is QI21Sampler else "turbo"]

@@ -1,4 +1,4 @@
-"""The pack inside a real ComfyUI server: /object_info against the node contract (DESIGN.md section 2) and
+"""The pack inside a real ComfyUI server: /object_info against the node contract (CONTRACT below) and
 against our stand-in API, every API example workflow run through POST /prompt on tiny random checkpoints, the
 `qi21_report` UI entry in /history, the saved PNGs, the prefix cache kept across prompts, and a clean log.
 
@@ -25,7 +25,7 @@ Set-up, as done on the development machine (CPU only, ComfyUI 2026-08, commit 78
     echo torch==2.13.0 > /tmp/torch_pin.txt
     /work/comfyvenv/bin/pip install -c /tmp/torch_pin.txt -r /tmp/comfy_req.txt
     /work/comfyvenv/bin/pip install --no-deps spandrel
-    #    (this pack's runtime dependencies, safetensors transformers einops numpy pillow, come with those;
+    #    (this pack's runtime dependencies, safetensors transformers numpy pillow, come with those;
     #    torchvision and torchaudio are replaced by the empty stand-ins of tests/comfyui/stubs/, put on the
     #    server's PYTHONPATH by the fixture only when that venv cannot import them)
     # 3. for tests/test_comfyui_browser.py: Debian's Chromium and the Playwright client (never its browsers)
@@ -43,22 +43,20 @@ To look at the server by hand: the same base directory layout, then
 
 import io as _io
 import json
-import sys
-from pathlib import Path
+import time
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "comfyui"))
-import qi21_comfy_harness as harness  # noqa: E402  (tests/comfyui/ is not a package)
+import qi21_comfy_harness as harness  # tests/comfyui/, on sys.path through pyproject's pytest `pythonpath`
 
 NODE_IDS = ["QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader", "QI21Reference", "QI21TextEncode",
-            "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode"]
+            "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode", "QI21Sigmas", "QI21VAEEncode", "QI21LoraLoader"]
 MODEL_DTYPES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn"]
 REPORT_KEYS = {"prefix_tokens", "target_tokens", "batch", "steps", "cache", "cache_bytes", "cache_device",
                "prefill_seconds", "step_seconds"}
 TURBO_STEPS = 8  # the stored 8-sigma schedule
 
-#: DESIGN.md section 2: required inputs (in order: saved workflows match widget values by position), optional
+#: The node contract: required inputs (in order: saved workflows match widget values by position), optional
 #: inputs (the contract's come first; more may be appended), output types.
 CONTRACT = {
     "QI21ModelLoader": ([("model_name", "COMBO"), ("weight_dtype", "COMBO")], [("attention", "COMBO")],
@@ -72,12 +70,18 @@ CONTRACT = {
                        [("references", "QI21_REFERENCES")], ["QI21_CONDITIONING"]),
     "QI21Sampler": ([("model", "QI21_MODEL"), ("positive", "QI21_CONDITIONING"), ("seed", "INT"), ("steps", "INT"),
                      ("cfg", "FLOAT"), ("width", "INT"), ("height", "INT"), ("batch_size", "INT")],
-                    [("negative", "QI21_CONDITIONING"), ("prefix_cache", "COMBO"), ("keep_cache", "BOOLEAN")],
+                    [("negative", "QI21_CONDITIONING"), ("prefix_cache", "COMBO"), ("keep_cache", "BOOLEAN"),
+                     ("sigmas", "SIGMAS"), ("latent_image", "LATENT"), ("denoise", "FLOAT"), ("add_noise", "BOOLEAN")],
                     ["LATENT"]),
     "QI21TurboSampler": ([("model", "QI21_MODEL"), ("positive", "QI21_CONDITIONING"), ("seed", "INT"),
                           ("width", "INT"), ("height", "INT"), ("batch_size", "INT")],
-                         [("prefix_cache", "COMBO"), ("keep_cache", "BOOLEAN")], ["LATENT"]),
+                         [("prefix_cache", "COMBO"), ("keep_cache", "BOOLEAN"), ("sigmas", "SIGMAS"),
+                          ("latent_image", "LATENT"), ("denoise", "FLOAT"), ("add_noise", "BOOLEAN")], ["LATENT"]),
     "QI21VAEDecode": ([("vae", "QI21_VAE"), ("samples", "LATENT")], [("tiled", "COMBO")], ["IMAGE", "MASK", "IMAGE"]),
+    "QI21Sigmas": ([("schedule", "COMBO"), ("steps", "INT"), ("width", "INT"), ("height", "INT")],
+                   [("denoise", "FLOAT")], ["SIGMAS"]),
+    "QI21VAEEncode": ([("vae", "QI21_VAE"), ("image", "IMAGE")], [("mask", "MASK"), ("tiled", "COMBO")], ["LATENT"]),
+    "QI21LoraLoader": ([("model", "QI21_MODEL"), ("lora_name", "COMBO"), ("strength", "FLOAT")], [], ["QI21_MODEL"]),
 }
 #: Options and defaults the contract fixes: (node, input) -> {key: value}.
 CONTRACT_OPTIONS = {
@@ -94,6 +98,10 @@ CONTRACT_OPTIONS = {
     ("QI21Sampler", "keep_cache"): {"default": False},
     ("QI21TurboSampler", "prefix_cache"): {"options": ["on", "off"]},
     ("QI21TurboSampler", "keep_cache"): {"default": False},
+    ("QI21Sigmas", "schedule"): {"options": ["base", "turbo"]},
+    ("QI21Sigmas", "steps"): {"default": 40},
+    ("QI21Sigmas", "denoise"): {"default": 1.0},
+    ("QI21LoraLoader", "strength"): {"default": 1.0, "min": -10.0, "max": 10.0},
 }
 #: The tiny checkpoint set's files, as the loaders must list them (single files and diffusers folders).
 LISTED_MODELS = {
@@ -215,7 +223,8 @@ def test_object_info_matches_the_contract(object_info, node_id):
         if node == node_id:
             values = _combo_values(specs[name])
             for file in files:
-                assert any(v == file or v.endswith("/" + file) for v in values), f"{node_id}.{name} lacks {file}: {values}"
+                assert any(v == file or v.endswith("/" + file) for v in values), \
+                    f"{node_id}.{name} lacks {file}: {values}"
     if node_id in harness.SAMPLERS:
         seed = _options(specs["seed"])
         assert seed.get("min") == 0 and seed.get("control_after_generate"), \
@@ -298,7 +307,8 @@ def _failure(server, entry) -> str:
 def check_report(report: dict, sampler: dict) -> None:
     inputs = sampler["inputs"]
     assert REPORT_KEYS <= set(report), f"qi21_report lacks {REPORT_KEYS - set(report)}: {report}"
-    assert set(report) <= REPORT_KEYS | {"notes"}, f"unexpected qi21_report keys: {set(report) - REPORT_KEYS}"
+    optional = {"notes", "loras", "plan", "peak_bytes"}  # notes when there are any; loras with a LoRA; the plan
+    assert set(report) <= REPORT_KEYS | optional, f"unexpected qi21_report keys: {set(report) - REPORT_KEYS}"
     assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
     assert isinstance(report["prefix_tokens"], int) and report["prefix_tokens"] > 0
     assert isinstance(report["target_tokens"], int) and report["target_tokens"] > 0
@@ -345,7 +355,8 @@ def test_api_workflow_runs_to_completion(comfyui_server, path):
             assert (comfyui_server.base / "output" / image["subfolder"] / image["filename"]).is_file()
             png = Image.open(_io.BytesIO(comfyui_server.view(image)))
             assert png.format == "PNG"
-            assert png.mode == ("RGBA" if slot == 2 else "RGB"), f"{image['filename']}: {png.mode} (decode output {slot})"
+            assert png.mode == ("RGBA" if slot == 2 else "RGB"), \
+                f"{image['filename']}: {png.mode} (decode output {slot})"
             if sampler_id:
                 sampler = prompt[sampler_id]["inputs"]
                 if sampler.get("width") and sampler.get("height"):
@@ -403,6 +414,46 @@ def test_unload_models_releases_kept_caches(comfyui_server):
     if state != "miss":
         pytest.xfail("known gap: the pack's models and kept prefix caches are not registered with ComfyUI's model "
                      "management, so 'Unload Models' (unload_models without free_memory) does not release them")
+
+
+def _base_prompt():
+    path = next((p for p in API_FILES if p.stem == "text_to_image_base"), None)
+    if path is None:
+        pytest.skip("no text_to_image_base API workflow")
+    return harness.shrink_prompt(json.loads(path.read_text()))[0]
+
+
+def test_widgets_linked_from_primitives_run(comfyui_server):
+    """ComfyUI validates a prompt with None for every linked input: `steps` from a PrimitiveInt and `cfg` from a
+    PrimitiveFloat (and the model file name from a PrimitiveString) must pass validation and run."""
+    prompt = _base_prompt()
+    (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] == "QI21Sampler"]
+    loader_id = _source(prompt, prompt[sampler_id]["inputs"]["model"])[0]
+    prompt["901"] = {"class_type": "PrimitiveInt", "inputs": {"value": 2}}
+    prompt["902"] = {"class_type": "PrimitiveFloat", "inputs": {"value": 1.0}}
+    prompt["903"] = {"class_type": "PrimitiveString", "inputs": {"value": prompt[loader_id]["inputs"]["model_name"]}}
+    prompt[sampler_id]["inputs"].update(steps=["901", 0], cfg=["902", 0])
+    prompt[loader_id]["inputs"]["model_name"] = ["903", 0]
+    entry = comfyui_server.run_prompt(prompt)
+    assert entry["status"]["status_str"] == "success", _failure(comfyui_server, entry)
+    assert entry["outputs"][sampler_id]["qi21_report"][0]["steps"] == 2
+
+
+def test_a_run_that_cannot_fit_is_refused_at_once(comfyui_server):
+    """4096 x 4096, a batch of 64 and true CFG: within every widget's range, far beyond this machine's memory
+    (tens of GiB even for the tiny model). Refused before anything is allocated; the server keeps answering."""
+    prompt = _base_prompt()
+    (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] == "QI21Sampler"]
+    encode_id = _source(prompt, prompt[sampler_id]["inputs"]["positive"])[0]
+    prompt["904"] = {"class_type": "QI21TextEncode",
+                     "inputs": {**prompt[encode_id]["inputs"], "prompt": "blurry, low quality"}}
+    prompt[sampler_id]["inputs"].update(width=4096, height=4096, batch_size=64, cfg=2.0, negative=["904", 0])
+    started = time.monotonic()
+    entry = comfyui_server.run_prompt(prompt, timeout=120)
+    assert entry["status"]["status_str"] == "error"
+    assert "Lower batch_size, width/height" in _failure(comfyui_server, entry)
+    assert time.monotonic() - started < 60
+    assert "system" in comfyui_server.get_json("/system_stats")
 
 
 # -- (3) the log (last: it reads what every test above left) -------------------------------------------------

@@ -28,16 +28,13 @@ from qi21.model.text_encoder_loading import load_text_encoder
 from qi21.model.vae_loading import load_vae
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tiny.write_tiny_checkpoints(tmp_path_factory.mktemp("tiny_models"))
+pytestmark = pytest.mark.slow  # whole model sets written, loaded and run through workflows
 
 
 def header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     with safe_open(str(path), framework="pt") as handle:
-        return {key: (handle.get_slice(key).get_dtype(), tuple(handle.get_slice(key).get_shape())) for key in handle.keys()}
+        return {key: (handle.get_slice(key).get_dtype(), tuple(handle.get_slice(key).get_shape()))
+                for key in handle.keys()}
 
 
 def headers(paths) -> dict:
@@ -62,8 +59,8 @@ def sharded(folder: Path, index_name: str) -> list[Path]:
 
 
 # -- the files ---------------------------------------------------------------------------------------------------
-def test_every_real_layout_is_written_with_the_released_names(models):
-    root = models["root"]
+def test_every_real_layout_is_written_with_the_released_names(tiny_models):
+    root = tiny_models["root"]
     for relative in ("diffusion_models/qwen_image_2.1_bf16.safetensors",
                      "diffusion_models/qwen_image_2.1_turbo_bf16.safetensors",
                      "text_encoders/qwen3vl_8b_bf16.safetensors", "vae/qwen_image_2.1_vae_bf16.safetensors",
@@ -75,7 +72,7 @@ def test_every_real_layout_is_written_with_the_released_names(models):
                          "vae/config.json", "vae/diffusion_pytorch_model.safetensors", "text_encoder/config.json",
                          "processor/tokenizer.json", "processor/preprocessor_config.json"):
             assert (root / "diffusers" / repo / relative).is_file(), f"{repo}/{relative}"
-    base, turbo = models["diffusers_base"], models["diffusers_turbo"]
+    base, turbo = tiny_models["diffusers_base"], tiny_models["diffusers_turbo"]
     assert "sample_sigmas" not in json.loads((base / "model_index.json").read_text())
     assert json.loads((turbo / "model_index.json").read_text())["sample_sigmas"] == list(TURBO_SIGMAS)
     assert json.loads((base / "scheduler/scheduler_config.json").read_text())["use_dynamic_shifting"] is True
@@ -84,43 +81,43 @@ def test_every_real_layout_is_written_with_the_released_names(models):
     assert (turbo / "text_encoder" / "model.safetensors").is_file()  # Turbo: one file, no index
     assert not (turbo / "text_encoder" / "model.safetensors.index.json").exists()
     # storage as released: bf16, except the diffusers VAE (fp32)
-    for path in (models["dit"], models["turbo_dit"], models["text_encoder"], models["vae"]):
+    for path in (tiny_models["dit"], tiny_models["turbo_dit"], tiny_models["text_encoder"], tiny_models["vae"]):
         assert {dtype for dtype, _ in header(path).values()} == {"BF16"}, path.name
     assert {dtype for dtype, _ in header(base / "vae/diffusion_pytorch_model.safetensors").values()} == {"F32"}
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     assert size < 80 * 2**20, f"the tiny set takes {size / 2**20:.0f} MiB"
 
 
-def test_dit_files_match_diffusers_and_comfyui_layouts(models):
-    folder = models["diffusers_base"] / "transformer"
+def test_dit_files_match_diffusers_and_comfyui_layouts(tiny_models):
+    folder = tiny_models["diffusers_base"] / "transformer"
     files = sharded(folder, "diffusion_pytorch_model.safetensors.index.json")
     on_disk = headers(files)
     reference = QwenImage21Transformer2DModel.from_config(json.loads((folder / "config.json").read_text()))
     assert {k: tuple(v.shape) for k, v in reference.state_dict().items()} == {k: s for k, (_, s) in on_disk.items()}
 
-    comfy = header(models["dit"])
+    comfy = header(tiny_models["dit"])
     assert not any("gate_layer" in k or "img_mlp.proj" in k for k in comfy)
     assert len(comfy) == len(on_disk) - tiny.TINY_DIT.num_layers  # gate_layer + proj fused into gate_up
     by_key = {key: file for file in files for key in header(file)}
     for i in range(tiny.TINY_DIT.num_layers):
         p = f"transformer_blocks.{i}.img_mlp."
-        fused = read(models["dit"], p + "gate_up.weight")
+        fused = read(tiny_models["dit"], p + "gate_up.weight")
         assert torch.equal(fused, torch.cat([read(by_key[p + "gate_layer.weight"], p + "gate_layer.weight"),
                                              read(by_key[p + "proj.weight"], p + "proj.weight")]))  # gate first
-    turbo = header(models["turbo_dit"])
+    turbo = header(tiny_models["turbo_dit"])
     assert all(k.startswith("model.diffusion_model.") for k in turbo)
     assert {k[len("model.diffusion_model."):] for k in turbo} == set(comfy)
 
 
-def test_vae_files_match_diffusers_and_wan_layouts(models):
-    folder = models["diffusers_base"] / "vae"
+def test_vae_files_match_diffusers_and_wan_layouts(tiny_models):
+    folder = tiny_models["diffusers_base"] / "vae"
     reference = AutoencoderKLQwenImage21.from_config(json.loads((folder / "config.json").read_text()))
     expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     on_disk = header(folder / "diffusion_pytorch_model.safetensors")
     assert expected == {k: s for k, (_, s) in on_disk.items()}  # time_conv included
-    comfy = header(models["vae"])
+    comfy = header(tiny_models["vae"])
     assert len(comfy) == len(expected)
-    # names and shapes of the released Wan file (CHECKPOINTS.md 3.3), ComfyUI's detection keys included
+    # names and shapes of the released Wan file (docs/checkpoints.md), ComfyUI's detection keys included
     assert comfy["decoder.head.2.weight"][1] == (4, 6, 1, 3, 3)  # 5-D causal conv, temporal kernel 1
     assert comfy["encoder.conv1.weight"][1] == (4, 4, 1, 3, 3)
     assert comfy["decoder.middle.0.residual.0.gamma"][1] == (48, 1, 1, 1)
@@ -133,17 +130,19 @@ def test_vae_files_match_diffusers_and_wan_layouts(models):
     assert "encoder.downsamples.0.downsamples.2.time_conv.weight" not in comfy  # stage 0 is not temporal
 
 
-def test_text_encoder_files_match_transformers_and_comfyui_layouts(models):
-    folder = models["diffusers_base"] / "text_encoder"
+def test_text_encoder_files_match_transformers_and_comfyui_layouts(tiny_models):
+    folder = tiny_models["diffusers_base"] / "text_encoder"
     config = Qwen3VLConfig.from_pretrained(str(folder))
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Qwen3VLForConditionalGeneration(config).state_dict().items()}
     files = sharded(folder, "model.safetensors.index.json")
     assert {k: s for k, (_, s) in headers(files).items()} == expected
-    assert {k: s for k, (_, s) in header(models["diffusers_turbo"] / "text_encoder/model.safetensors").items()} == expected
-    comfy = header(models["text_encoder"])
+    turbo_file = tiny_models["diffusers_turbo"] / "text_encoder/model.safetensors"
+    assert {k: s for k, (_, s) in header(turbo_file).items()} == expected
+    comfy = header(tiny_models["text_encoder"])
     assert "model.embed_tokens.weight" in comfy and "model.norm.weight" in comfy and "lm_head.weight" in comfy
-    assert "model.layers.0.self_attn.q_norm.weight" in comfy and "model.visual.deepstack_merger_list.0.norm.weight" in comfy
+    assert "model.layers.0.self_attn.q_norm.weight" in comfy
+    assert "model.visual.deepstack_merger_list.0.norm.weight" in comfy
     assert not any(k.startswith("model.language_model.") for k in comfy)
     assert {tiny.comfy_text_encoder_key(k) for k in expected} == set(comfy)
     assert config.text_config.hidden_size == tiny.TINY_DIT.context_in_dim  # the DiT reads these states
@@ -156,8 +155,8 @@ def velocity(model):
         return model(x.to(model.compute_dtype), 0.6, prefixes).float()
 
 
-def test_dit_single_files_and_diffusers_folders_give_identical_velocities(models):
-    loaded = {key: load_dit(models[key]) for key in ("dit", "turbo_dit", "diffusers_base", "diffusers_turbo")}
+def test_dit_single_files_and_diffusers_folders_give_identical_velocities(tiny_models):
+    loaded = {key: load_dit(tiny_models[key]) for key in ("dit", "turbo_dit", "diffusers_base", "diffusers_turbo")}
     assert {k: (m.source.layout, m.source.variant) for k, m in loaded.items()} == {
         "dit": ("comfyui", "base"), "turbo_dit": ("comfyui", "turbo"),
         "diffusers_base": ("diffusers", "base"), "diffusers_turbo": ("diffusers", "turbo")}
@@ -169,11 +168,11 @@ def test_dit_single_files_and_diffusers_folders_give_identical_velocities(models
     assert not torch.equal(out["dit"], out["turbo_dit"])  # Turbo has its own weights
 
 
-def test_diffusers_runs_the_tiny_transformer_folder_like_ours(models):
+def test_diffusers_runs_the_tiny_transformer_folder_like_ours(tiny_models):
     """The folder is a real diffusers repository: diffusers' own class loads it and agrees with our loader."""
     reference = QwenImage21Transformer2DModel.from_pretrained(
-        str(models["diffusers_base"]), subfolder="transformer", torch_dtype=torch.float32).eval()
-    ours = load_dit(models["diffusers_base"], weight_dtype="fp32")
+        str(tiny_models["diffusers_base"]), subfolder="transformer", torch_dtype=torch.float32).eval()
+    ours = load_dit(tiny_models["diffusers_base"], weight_dtype="fp32")
     kwargs, prefixes, x = make_case(((4, 4),), (4, 6), (5, 7), context_dim=tiny.TINY_DIT.context_in_dim)
     with torch.no_grad():
         expected = reference_velocity(reference, kwargs, torch.tensor([0.6]))
@@ -181,17 +180,20 @@ def test_diffusers_runs_the_tiny_transformer_folder_like_ours(models):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
-def test_vae_single_file_and_diffusers_folders_decode_identically(models):
-    loaded = {key: load_vae(models[key], weight_dtype="fp32") for key in ("vae", "diffusers_base", "diffusers_turbo")}
+def test_vae_single_file_and_diffusers_folders_decode_identically(tiny_models):
+    loaded = {key: load_vae(tiny_models[key], weight_dtype="fp32")
+              for key in ("vae", "diffusers_base", "diffusers_turbo")}
     assert [m.source.layout for m in loaded.values()] == ["comfyui", "diffusers", "diffusers"]
     assert all(m.config == loaded["diffusers_base"].config for m in loaded.values())
-    assert load_vae(models["vae"]).dtype == torch.bfloat16 and load_vae(models["diffusers_base"]).dtype == torch.float32
+    assert load_vae(tiny_models["vae"]).dtype == torch.bfloat16
+    assert load_vae(tiny_models["diffusers_base"]).dtype == torch.float32
     generator = torch.Generator().manual_seed(0)
-    latents, images = torch.randn(1, 64, 3, 4, generator=generator), torch.rand(1, 4, 48, 64, generator=generator) * 2 - 1
+    latents = torch.randn(1, 64, 3, 4, generator=generator)
+    images = torch.rand(1, 4, 48, 64, generator=generator) * 2 - 1
     with torch.no_grad():
         decoded = {k: m.decode(latents) for k, m in loaded.items()}
         encoded = {k: m.encode(images) for k, m in loaded.items()}
-        reference = AutoencoderKLQwenImage21.from_pretrained(str(models["diffusers_base"]), subfolder="vae").eval()
+        reference = AutoencoderKLQwenImage21.from_pretrained(str(tiny_models["diffusers_base"]), subfolder="vae").eval()
         expected = reference.decode(latents[:, :, None]).sample[:, :, 0]
     assert decoded["vae"].shape == (1, 4, 48, 64) and torch.isfinite(decoded["vae"]).all()
     for key in ("diffusers_base", "diffusers_turbo"):
@@ -200,9 +202,9 @@ def test_vae_single_file_and_diffusers_folders_decode_identically(models):
     torch.testing.assert_close(decoded["vae"], expected, rtol=0, atol=1e-4)  # diffusers reads the folder the same
 
 
-def test_text_encoder_single_file_and_diffusers_folders_encode_identically(models):
+def test_text_encoder_single_file_and_diffusers_folders_encode_identically(tiny_models):
     # fp32: the same bits as the files' bf16 (checked above), and bf16 matmuls are slow on CPUs without bf16 units
-    loaded = {key: load_text_encoder(models[key], dtype="fp32")
+    loaded = {key: load_text_encoder(tiny_models[key], dtype="fp32")
               for key in ("text_encoder", "diffusers_base", "diffusers_turbo")}
     configs = [m.model.config.to_dict() for m in loaded.values()]
     for config in configs:
@@ -223,7 +225,8 @@ def test_text_encoder_single_file_and_diffusers_folders_encode_identically(model
 
 
 def test_same_seed_same_weights():
-    assert all(torch.equal(a, b) for a, b in zip(tiny.dit_state_dict(seed=3).values(), tiny.dit_state_dict(seed=3).values()))
+    first, again = tiny.dit_state_dict(seed=3).values(), tiny.dit_state_dict(seed=3).values()
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert not torch.equal(tiny.dit_state_dict(seed=3)["img_in.weight"], tiny.dit_state_dict(seed=4)["img_in.weight"])
 
 
@@ -231,7 +234,8 @@ def test_same_seed_same_weights():
 def loaders(model: str, text_encoder: str, vae: str) -> dict:
     return {
         "1": {"class_type": "QI21ModelLoader", "inputs": {"model_name": model, "weight_dtype": "default"}},
-        "2": {"class_type": "QI21TextEncoderLoader", "inputs": {"text_encoder_name": text_encoder, "weight_dtype": "default"}},
+        "2": {"class_type": "QI21TextEncoderLoader",
+              "inputs": {"text_encoder_name": text_encoder, "weight_dtype": "default"}},
         "3": {"class_type": "QI21VAELoader", "inputs": {"vae_name": vae, "weight_dtype": "default"}},
     }
 
@@ -241,8 +245,9 @@ BASE_T2I = {
     **loaders("qwen_image_2.1_bf16.safetensors", "qwen3vl_8b_bf16.safetensors", "qwen_image_2.1_vae_bf16.safetensors"),
     "4": {"class_type": "QI21TextEncode", "inputs": {"text_encoder": ["2", 0], "prompt": "A red bicycle by a wall."}},
     "5": {"class_type": "QI21TextEncode", "inputs": {"text_encoder": ["2", 0], "prompt": "blurry"}},
-    "6": {"class_type": "QI21Sampler", "inputs": {"model": ["1", 0], "positive": ["4", 0], "negative": ["5", 0], "seed": 1,
-                                                   "steps": 40, "cfg": 3.0, "width": 1024, "height": 768, "batch_size": 1}},
+    "6": {"class_type": "QI21Sampler", "inputs": {"model": ["1", 0], "positive": ["4", 0], "negative": ["5", 0],
+                                                   "seed": 1, "steps": 40, "cfg": 3.0, "width": 1024, "height": 768,
+                                                   "batch_size": 1}},
     "7": {"class_type": "QI21VAEDecode", "inputs": {"vae": ["3", 0], "samples": ["6", 0]}},
     "8": {"class_type": "SaveImage", "inputs": {"images": ["7", 0], "filename_prefix": "base/rgb"}},
     "9": {"class_type": "SaveImage", "inputs": {"images": ["7", 2], "filename_prefix": "base/rgba"}},
@@ -253,9 +258,10 @@ TURBO_EDIT = {
     **loaders("diffusers/Qwen-Image-2.1-Turbo", "diffusers/Qwen-Image-2.1-Turbo", "diffusers/Qwen-Image-2.1-Turbo"),
     "11": {"class_type": "LoadImage", "inputs": {"image": "photo.png", "upload": "image"}},
     "12": {"class_type": "LoadImage", "inputs": {"image": "cutout_rgba.png", "upload": "image"}},
-    "13": {"class_type": "QI21Reference", "inputs": {"vae": ["3", 0], "image": ["11", 0], "mask": ["11", 1], "resolution": 1024}},
-    "14": {"class_type": "QI21Reference", "inputs": {"vae": ["3", 0], "image": ["12", 0], "mask": ["12", 1], "resolution": 0,
-                                                     "references": ["13", 0]}},
+    "13": {"class_type": "QI21Reference", "inputs": {"vae": ["3", 0], "image": ["11", 0], "mask": ["11", 1],
+                                                     "resolution": 1024}},
+    "14": {"class_type": "QI21Reference", "inputs": {"vae": ["3", 0], "image": ["12", 0], "mask": ["12", 1],
+                                                     "resolution": 0, "references": ["13", 0]}},
     "4": {"class_type": "QI21TextEncode", "inputs": {"text_encoder": ["2", 0], "prompt": "Put <image2> on <image1>.",
                                                      "references": ["14", 0]}},
     "6": {"class_type": "QI21TurboSampler", "inputs": {"model": ["1", 0], "positive": ["4", 0], "seed": 7, "width": 0,
@@ -302,14 +308,14 @@ def test_the_demo_runs_green_end_to_end_on_the_tiny_set(tmp_path, capsys):
     assert summary["tiny_random_checkpoint"] is True and all(w["ok"] for w in summary["workflows"])
 
 
-def test_a_broken_workflow_fails_with_its_reason_and_the_others_still_run(tmp_path, models, capsys):
+def test_a_broken_workflow_fails_with_its_reason_and_the_others_still_run(tmp_path, tiny_models, capsys):
     copy_only = {"1": {"class_type": "LoadImage", "inputs": {"image": "x.png"}},
                  "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "copy"}}}
     wrong_type = {**copy_only, "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 1]}}}
-    missing = {**loaders("no_such_model.safetensors", "qwen3vl_8b_bf16.safetensors", "qwen_image_2.1_vae_bf16.safetensors"),
+    missing = {**loaders("no_such_model.safetensors", tiny.TEXT_ENCODER_FILE, tiny.VAE_FILE),
                "4": {"class_type": "QI21TextEncode", "inputs": {"text_encoder": ["2", 0]}},
                "6": {"class_type": "QI21TurboSampler", "inputs": {"model": ["1", 0], "positive": ["4", 0], "seed": 0,
-                                                                   "width": 100, "height": 0, "batch_size": 1}},
+                                                                   "width": 16, "height": 0, "batch_size": 1}},
                "7": {"class_type": "QI21VAEDecode", "inputs": {"vae": ["3", 0], "samples": ["6", 0]}},
                "8": {"class_type": "SaveImage", "inputs": {"images": ["7", 0]}}}
     unknown = {**copy_only, "3": {"class_type": "ImageScale", "inputs": {"image": ["1", 0]}},
@@ -318,7 +324,8 @@ def test_a_broken_workflow_fails_with_its_reason_and_the_others_still_run(tmp_pa
                                                    "c_missing": missing, "d_unknown": unknown})
     (workflows / "e_ui_format.json").write_text(json.dumps({"nodes": [], "links": []}))
     out = tmp_path / "out"
-    assert run_workflows.main(["--models", str(models["root"]), "--out", str(out), "--workflows", str(workflows)]) == 1
+    args = ["--models", str(tiny_models["root"]), "--out", str(out), "--workflows", str(workflows)]
+    assert run_workflows.main(args) == 1
     printed = capsys.readouterr().out
     assert run_workflows.TINY_BANNER not in printed
     results = {w["workflow"]: w for w in json.loads((out / "summary.json").read_text())["workflows"]}
@@ -327,7 +334,7 @@ def test_a_broken_workflow_fails_with_its_reason_and_the_others_still_run(tmp_pa
     error = results["c_missing"]["error"]
     assert "model_name = 'no_such_model.safetensors': not among the choices" in error
     assert "required input 'prompt' is missing" in error
-    assert "width = 100" in error  # the sampler's own validate_inputs
+    assert "width = 16" in error  # the sampler's own validate_inputs
     assert "'ImageScale' is neither" in results["d_unknown"]["error"]
     assert "UI-format" in results["e_ui_format"]["error"]
     assert "1/5 workflows ok" in printed
@@ -349,9 +356,9 @@ SHIPPED = sorted((ROOT / "workflows" / "api").glob("*.json"))
 
 
 @pytest.mark.skipif(not SHIPPED, reason="no API-format workflows in workflows/api yet")
-def test_the_shipped_workflows_run_green_on_the_tiny_set(tmp_path, models, capsys):
+def test_the_shipped_workflows_run_green_on_the_tiny_set(tmp_path, tiny_models, capsys):
     out = tmp_path / "out"
-    assert run_workflows.main(["--models", str(models["root"]), "--quick", "--out", str(out)]) == 0, \
+    assert run_workflows.main(["--models", str(tiny_models["root"]), "--quick", "--out", str(out)]) == 0, \
         capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["workflows"]) == len(SHIPPED)

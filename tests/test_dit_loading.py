@@ -6,7 +6,6 @@ The files are generated here from a tiny random model: the diffusers folder by d
 """
 
 import copy
-import gc
 import json
 import pickle
 
@@ -14,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import graph_fixtures as gf
 from dit_fixtures import make_case, tiny_pair
 from qi21.model import dit_loading
-from qi21.model.dit import QwenImage21DiT
 from qi21.model.dit_loading import load_dit
 from qi21.model.safetensors_io import CheckpointError
 
@@ -53,12 +52,13 @@ def velocity(model):
 
 
 @pytest.mark.parametrize("name, layout, variant", [
-    ("qwen_image_2.1_bf16.safetensors", "comfyui", "base"),
-    ("qwen_image_2.1_turbo_bf16.safetensors", "comfyui", "turbo"),  # with the model.diffusion_model. prefix
-    ("my_merge.safetensors", "comfyui", "unknown"),
-    ("Qwen-Image-2.1", "diffusers", "base"),
-    ("Qwen-Image-2.1-Turbo", "diffusers", "turbo"),
-    ("Qwen-Image-2.1/transformer", "diffusers", "base"),
+    pytest.param("qwen_image_2.1_bf16.safetensors", "comfyui", "base", id="single file"),
+    pytest.param("qwen_image_2.1_turbo_bf16.safetensors", "comfyui", "turbo",
+                 id="single file, model.diffusion_model. prefix, turbo by name"),
+    pytest.param("my_merge.safetensors", "comfyui", "unknown", id="single file of unknown variant"),
+    pytest.param("Qwen-Image-2.1", "diffusers", "base", id="diffusers repository"),
+    pytest.param("Qwen-Image-2.1-Turbo", "diffusers", "turbo", id="diffusers repository, turbo"),
+    pytest.param("Qwen-Image-2.1/transformer", "diffusers", "base", id="diffusers transformer folder"),
 ])
 def test_every_layout_loads_and_reproduces_the_model(files, name, layout, variant):
     root, ours = files
@@ -93,17 +93,12 @@ def test_weight_dtypes(files):
         load_dit(root / "qwen_image_2.1_bf16.safetensors", weight_dtype="int4")
 
 
-def _live_models():
-    gc.collect()
-    return sum(type(o) is QwenImage21DiT for o in gc.get_objects())
-
-
 def expect_error(path, match):
-    before = _live_models()
+    before = gf.live_models()
     with pytest.raises(CheckpointError, match=match) as info:
         load_dit(path)
     assert path.name in str(info.value)
-    assert _live_models() == before  # nothing half-loaded stays behind
+    assert gf.live_models() == before  # nothing half-loaded stays behind
 
 
 def test_qwen_image_1x_is_named(tmp_path):
@@ -118,8 +113,8 @@ def test_vae_and_text_encoder_in_the_model_loader_are_named(tmp_path):
     save_file({"encoder.conv1.weight": torch.ones(2, 2), "decoder.head.0.gamma": torch.ones(2)}, vae)
     expect_error(vae, "a VAE")
     encoder = tmp_path / "qwen3vl_8b_bf16.safetensors"
-    save_file({"model.embed_tokens.weight": torch.ones(2, 2), "model.layers.0.self_attn.q_proj.weight": torch.ones(2, 2)},
-              encoder)
+    save_file({"model.embed_tokens.weight": torch.ones(2, 2),
+               "model.layers.0.self_attn.q_proj.weight": torch.ones(2, 2)}, encoder)
     expect_error(encoder, "text encoder")
 
 
@@ -166,28 +161,11 @@ def test_quantized_file_is_refused_with_advice(files, tmp_path):
 
 
 def test_interrupted_load_leaves_nothing_behind(files, monkeypatch):
-    from safetensors import safe_open
-
-    calls = {"n": 0}
-
-    class Interrupting:
-        def __init__(self, *args, **kwargs):
-            self.inner = safe_open(*args, **kwargs)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, key):
-            calls["n"] += 1
-            if calls["n"] == 10:
-                raise KeyboardInterrupt
-            return self.inner.get_tensor(key)
-
-    monkeypatch.setattr("safetensors.safe_open", Interrupting)
-    before = _live_models()
+    monkeypatch.setattr("safetensors.safe_open", gf.safe_open_failing_at(10, KeyboardInterrupt))
+    before = gf.live_models()
     with pytest.raises(KeyboardInterrupt):
         load_dit(files[0] / "qwen_image_2.1_bf16.safetensors")
-    assert _live_models() == before
+    assert gf.live_models() == before
 
 
 def test_config_is_inferred_from_shapes(files):

@@ -9,42 +9,36 @@ timesteps.
 import pytest
 import torch
 
-from dit_fixtures import make_case, reference_velocity, tiny_pair
+from dit_fixtures import Case, make_case, reference_velocity, tiny_pair
 
 TOL = 2e-5
 
-CASES = {
-    # name: (reference latent shapes, target shape, text runs around them, batch, right padding per sample)
-    "t2i": ((), (4, 6), (9,), 1, ()),
-    "one_reference": (((4, 4),), (4, 6), (5, 7), 1, ()),
-    "two_references": (((4, 4), (2, 6)), (6, 4), (5, 3, 6), 1, ()),
-    "three_references_two_adjacent": (((4, 4), (2, 6), (6, 2)), (4, 4), (4, 0, 2, 5), 1, ()),
-    "batch2_right_padded": (((4, 4),), (4, 6), (5, 9), 2, (0, 4)),
-    "batch2_padded_t2i": ((), (6, 4), (11,), 2, (3, 0)),
-    "non_square_and_odd_grid": (((6, 10), (2, 2)), (3, 4), (3, 2, 4), 1, ()),
-}
+CASES = [
+    pytest.param(Case(refs=(), target=(4, 6), runs=(9,)), id="t2i"),
+    pytest.param(Case(refs=((4, 4),), target=(4, 6), runs=(5, 7)), id="one_reference"),
+    pytest.param(Case(refs=((4, 4), (2, 6)), target=(6, 4), runs=(5, 3, 6)), id="two_references"),
+    pytest.param(Case(refs=((4, 4), (2, 6), (6, 2)), target=(4, 4), runs=(4, 0, 2, 5)),
+                 id="three_references_two_adjacent"),
+    pytest.param(Case(refs=((4, 4),), target=(4, 6), runs=(5, 9), batch=2, pad=(0, 4)), id="batch2_right_padded"),
+    pytest.param(Case(refs=(), target=(6, 4), runs=(11,), batch=2, pad=(3, 0)), id="batch2_padded_t2i"),
+    pytest.param(Case(refs=((6, 10), (2, 2)), target=(3, 4), runs=(3, 2, 4)), id="non_square_and_odd_grid"),
+]
 
 
-@pytest.fixture(scope="module")
-def models():
-    return tiny_pair()
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_forward_matches_diffusers(models, name):
-    reference, ours = models
-    refs, target, runs, batch, pad = CASES[name]
-    kwargs, prefixes, target_latents = make_case(refs, target, runs, batch=batch, pad=pad)
-    t = torch.linspace(0.9, 0.4, batch)
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_diffusers(dit_pair, case):
+    reference, ours = dit_pair
+    kwargs, prefixes, target_latents = case.make()
+    t = torch.linspace(0.9, 0.4, case.batch)
     with torch.no_grad():
         expected = reference_velocity(reference, kwargs, t)
         got = ours(target_latents, t, prefixes)
     torch.testing.assert_close(got, expected, rtol=0, atol=TOL)
 
 
-def test_shared_prompt_batch_matches_diffusers_per_sample(models):
+def test_shared_prompt_batch_matches_diffusers_per_sample(dit_pair):
     """A batch whose samples share one prompt runs that prefix once and still equals the reference."""
-    reference, ours = models
+    reference, ours = dit_pair
     kwargs, prefixes, target_latents = make_case(((4, 4),), (4, 6), (5, 7), batch=3)
     kwargs["encoder_hidden_states"] = kwargs["encoder_hidden_states"][:1].expand(3, -1, -1)
     shared = [type(prefixes[0])(layout=prefixes[0].layout, text=kwargs["encoder_hidden_states"][0],

@@ -30,8 +30,7 @@ class SimulatedOutOfMemory(RuntimeError):
 
 
 @pytest.fixture(scope="module")
-def graph(tmp_path_factory):
-    gf.models_root(tmp_path_factory)
+def graph(models_root):
     models = gf.load("turbo", "text_encoder", "vae")
     image = torch.rand(1, 256, 288, 3, generator=torch.Generator().manual_seed(0))
     references = QI21Reference.execute(models["vae"], image, 0)[0]
@@ -39,7 +38,6 @@ def graph(tmp_path_factory):
     DEFAULT_STORE.clear()
     yield models
     DEFAULT_STORE.clear()
-    bridge.set_models_root(None)
 
 
 def sample(graph, keep=False):
@@ -82,10 +80,15 @@ def cancel_after_step(monkeypatch, step: int):
     monkeypatch.setattr(bridge.Progress, "update", cancelling)
 
 
-# (where, how): forward call 1 is the prefill, 2..8 the cached steps. Exception classes, not instances: an
-# instance raised twice keeps its first traceback, and with it every tensor of that run.
-CASES = [(1, SimulatedOutOfMemory), (1, KeyboardInterrupt), (2, SimulatedOutOfMemory), (5, "cancel"),
-         (8, KeyboardInterrupt)]
+def early_end(at: int, how):
+    """A run ending at DiT forward call `at` (1 is the prefill, 2..8 the cached steps), by `how`: an exception
+    class (not an instance: an instance raised twice keeps its first traceback, and with it every tensor of that
+    run) or "cancel"."""
+    return pytest.param(at, how, id=f"step {at}-{getattr(how, '__name__', how)}")
+
+
+CASES = [early_end(1, SimulatedOutOfMemory), early_end(1, KeyboardInterrupt), early_end(2, SimulatedOutOfMemory),
+         early_end(5, "cancel"), early_end(8, KeyboardInterrupt)]
 
 
 @pytest.fixture
@@ -104,7 +107,7 @@ def prefills(monkeypatch):
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["keep_cache off", "keep_cache on"])
-@pytest.mark.parametrize("at, how", CASES, ids=[f"step {a}-{getattr(h, '__name__', h)}" for a, h in CASES])
+@pytest.mark.parametrize("at, how", CASES)
 def test_a_run_that_ends_early_leaves_nothing_behind_and_the_next_run_is_unchanged(graph, expected, prefills,
                                                                                     monkeypatch, at, how, keep):
     _, before = gf.leftovers()

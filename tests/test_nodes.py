@@ -1,41 +1,21 @@
 """The nodes without ComfyUI: the whole graph (loaders -> references -> encode -> sampler -> decode) on tiny
 random checkpoints written in every real file layout, the interrupt path, and each validation error."""
 
-import gc
-
 import pytest
 import torch
 
-from qi21.demo.tiny_checkpoints import write_tiny_checkpoints
+import graph_fixtures as gf
 from qi21.model.cache_store import DEFAULT_STORE
-from qi21.model.prefix_cache import PrefixKVCache
 from qi21.nodes import NODES, bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode
-from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
+from qi21.nodes.loaders import QI21ModelLoader, QI21VAELoader
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
-
-SINGLE = {"model": "qwen_image_2.1_bf16.safetensors", "turbo": "qwen_image_2.1_turbo_bf16.safetensors",
-          "text_encoder": "qwen3vl_8b_bf16.safetensors", "vae": "qwen_image_2.1_vae_bf16.safetensors"}
-
-
-@pytest.fixture(scope="module")
-def models_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    write_tiny_checkpoints(root)
-    bridge.set_models_root(root)
-    yield root
-    bridge.set_models_root(None)
 
 
 @pytest.fixture(scope="module")
 def loaded(models_root):
-    return {
-        "model": QI21ModelLoader.execute(SINGLE["model"], "default")[0],
-        "turbo": QI21ModelLoader.execute(SINGLE["turbo"], "default")[0],
-        "text_encoder": QI21TextEncoderLoader.execute(SINGLE["text_encoder"], "default")[0],
-        "vae": QI21VAELoader.execute(SINGLE["vae"], "default")[0],
-    }
+    return gf.load("model", "turbo", "text_encoder", "vae", dtype="default")
 
 
 def rgba_image(width=320, height=256, seed=0):
@@ -48,9 +28,9 @@ def rgba_image(width=320, height=256, seed=0):
 
 
 def test_every_node_has_a_described_schema():
-    assert [n.define_schema().node_id for n in NODES] == [
+    assert [n.define_schema().node_id for n in NODES] == [  # append-only: saved workflows name these
         "QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader", "QI21Reference", "QI21TextEncode",
-        "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode"]
+        "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode", "QI21Sigmas", "QI21VAEEncode", "QI21LoraLoader"]
     for node in NODES:
         schema = node.define_schema()
         assert schema.display_name.startswith("Qwen-Image 2.1") and schema.category == "Qwen-Image 2.1"
@@ -60,14 +40,16 @@ def test_every_node_has_a_described_schema():
 
 
 def test_loaders_list_single_files_and_diffusers_folders(models_root):
-    assert {SINGLE["model"], SINGLE["turbo"], "diffusers/Qwen-Image-2.1", "diffusers/Qwen-Image-2.1-Turbo"} <= set(
-        bridge.model_choices("diffusion_models"))
-    assert {SINGLE["text_encoder"], "diffusers/Qwen-Image-2.1"} <= set(bridge.model_choices("text_encoders"))
-    assert {SINGLE["vae"], "diffusers/Qwen-Image-2.1"} <= set(bridge.model_choices("vae"))
+    assert {gf.SINGLE["model"], gf.SINGLE["turbo"], "diffusers/Qwen-Image-2.1",
+            "diffusers/Qwen-Image-2.1-Turbo"} <= set(bridge.model_choices("diffusion_models"))
+    assert {gf.SINGLE["text_encoder"], "diffusers/Qwen-Image-2.1"} <= set(bridge.model_choices("text_encoders"))
+    assert {gf.SINGLE["vae"], "diffusers/Qwen-Image-2.1"} <= set(bridge.model_choices("vae"))
 
 
-@pytest.mark.parametrize("name, variant", [("qwen_image_2.1_bf16.safetensors", "base"),
-                                           ("diffusers/Qwen-Image-2.1-Turbo", "turbo")])
+@pytest.mark.parametrize("name, variant", [
+    pytest.param("qwen_image_2.1_bf16.safetensors", "base", id="single file, base"),
+    pytest.param("diffusers/Qwen-Image-2.1-Turbo", "turbo", id="diffusers folder, turbo"),
+])
 def test_model_loader_reads_both_layouts(models_root, name, variant):
     model = QI21ModelLoader.execute(name, "default")[0]
     assert model.source.variant == variant
@@ -126,11 +108,6 @@ def test_a_base_model_in_the_turbo_sampler_is_warned(loaded):
     assert any("base model in the turbo sampler" in note for note in report["notes"])
 
 
-def _filled_caches():
-    gc.collect()
-    return [o for o in gc.get_objects() if type(o) is PrefixKVCache and o.filled]
-
-
 def test_interrupt_mid_sampling_frees_the_cache(loaded, monkeypatch):
     steps = []
     original = bridge.Progress.update
@@ -146,7 +123,7 @@ def test_interrupt_mid_sampling_frees_the_cache(loaded, monkeypatch):
     with pytest.raises(InterruptedError):
         run_graph(loaded, keep_cache=True)
     assert steps == [1, 2, 3, 4][: len(steps)] and len(steps) <= 4  # stops within one step
-    assert _filled_caches() == [] and len(DEFAULT_STORE) == 0
+    assert gf.filled_caches() == [] and len(DEFAULT_STORE) == 0
     monkeypatch.undo()
     run_graph(loaded)  # the next run works
 
@@ -154,7 +131,7 @@ def test_interrupt_mid_sampling_frees_the_cache(loaded, monkeypatch):
 def test_validation_errors_are_readable(loaded, models_root):
     assert "not in the diffusion_models folders" in QI21ModelLoader.validate_inputs(model_name="missing.safetensors")
     assert "not in the vae folders" in QI21VAELoader.validate_inputs(vae_name="nope.safetensors")
-    assert "width = 100" in QI21Sampler.validate_inputs(width=100, height=0)
+    assert "width = 16" in QI21Sampler.validate_inputs(width=16, height=0)
     assert "height = 8192" in QI21TurboSampler.validate_inputs(width=0, height=8192)
     assert "steps = 0" in QI21Sampler.validate_inputs(steps=0)
     assert "cfg = 0.5" in QI21Sampler.validate_inputs(cfg=0.5)

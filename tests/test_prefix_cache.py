@@ -8,23 +8,23 @@ import weakref
 import pytest
 import torch
 
-from dit_fixtures import make_case, tiny_pair
+from dit_fixtures import Case, make_case, tiny_pair
 from qi21.model.attention import FLEX_AVAILABLE
 from qi21.model.dit import PrefixInputs
 from qi21.model.prefix_cache import PrefixKVCache
 
 TOL = 2e-5
 BACKENDS = ["sdpa"] + (["flex"] if FLEX_AVAILABLE else [])
-CASES = {
-    "t2i": ((), (4, 6), (9,), 1, ()),
-    "two_references_adjacent": (((4, 4), (2, 6)), (6, 4), (5, 0, 6), 1, ()),
-    "batch2_right_padded": (((4, 4),), (4, 6), (5, 9), 2, (0, 4)),
-}
+CASES = [
+    pytest.param(Case(refs=(), target=(4, 6), runs=(9,)), id="t2i"),
+    pytest.param(Case(refs=((4, 4), (2, 6)), target=(6, 4), runs=(5, 0, 6)), id="two_references_adjacent"),
+    pytest.param(Case(refs=((4, 4),), target=(4, 6), runs=(5, 9), batch=2, pad=(0, 4)), id="batch2_right_padded"),
+]
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_pair()[1]
+def model(dit_pair):
+    return dit_pair[1]
 
 
 def run_cached(model, prefixes, latents, steps, backend):
@@ -38,13 +38,12 @@ def run_cached(model, prefixes, latents, steps, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", list(CASES))
-def test_cached_steps_equal_uncached_forward(model, name, backend):
-    refs, target, runs, batch, pad = CASES[name]
-    _, prefixes, first = make_case(refs, target, runs, batch=batch, pad=pad)
+@pytest.mark.parametrize("case", CASES)
+def test_cached_steps_equal_uncached_forward(model, case, backend):
+    _, prefixes, first = case.make()
     generator = torch.Generator().manual_seed(5)
     latents = [first] + [torch.randn(first.shape, generator=generator) for _ in range(3)]
-    steps = [torch.full((batch,), t) for t in (1.0, 0.83, 0.41, 0.02)]  # prefill and steps at different t
+    steps = [torch.full((case.batch,), t) for t in (1.0, 0.83, 0.41, 0.02)]  # prefill and steps at different t
     cached, _ = run_cached(model, prefixes, latents, steps, backend)
     with torch.no_grad():
         for x, t, got in zip(latents, steps, cached):

@@ -11,16 +11,16 @@ import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 import graph_fixtures as gf
 from qi21.model.cache_store import DEFAULT_STORE
-from qi21.model.pipeline import MAX_REFERENCES, check_room_for_reference, target_size
+from qi21.model.latents import sampling_size, target_size
+from qi21.model.pipeline import MAX_REFERENCES, check_room_for_reference
 from qi21.model.references import MAX_ASPECT, MAX_VLM_PIXELS, MIN_VLM_PIXELS, prepare_reference, reference_size
-from qi21.model.schedule import sampling_size
-from qi21.nodes import bridge
 from qi21.nodes.samplers import MAX_SIZE, MIN_SIZE, QI21Sampler, QI21TurboSampler
+
+pytestmark = pytest.mark.slow  # hypothesis properties: many examples each
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 #: The only ways a reference may be refused (references.py `_check_size` and `_rgba_source`).
@@ -66,22 +66,17 @@ def test_a_reference_is_prepared_on_the_32_grid_or_refused_with_a_working_resolu
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    gf.models_root(tmp_path_factory)
+def models(models_root):
     yield gf.load("model", "turbo")
-    bridge.set_models_root(None)
     DEFAULT_STORE.clear()
 
 
 @pytest.fixture(scope="module")
 def small_store():
     """A store budget of about three one-reference prefixes, so random runs evict."""
-    saved = DEFAULT_STORE.budget_bytes
-    DEFAULT_STORE.clear()
-    DEFAULT_STORE.budget_bytes = 3 * 2 * 2 * 2 * 32 * 340 * 4  # 3 x (2 layers x K/V x 2 heads x 32 x ~340 tokens, fp32)
-    yield DEFAULT_STORE
-    DEFAULT_STORE.budget_bytes = saved
-    DEFAULT_STORE.clear()
+    # 3 x (2 layers x K/V x 2 heads x 32 x ~340 tokens, fp32)
+    with gf.default_store_budget(3 * 2 * 2 * 2 * 32 * 340 * 4) as store:
+        yield store
 
 
 reference_shapes = st.lists(st.tuples(st.integers(16, 600), st.integers(16, 600)), max_size=MAX_REFERENCES + 1)
@@ -126,7 +121,7 @@ def test_random_references_and_sizes_sample_finite_latents_or_fail_as_documented
         return
 
     out = node.execute(model, cond, **kwargs)
-    wanted = target_size(width, height, cond)
+    wanted = target_size(width, height, cond.ref_shapes[-1] if cond.ref_shapes else None)
     w, h = sampling_size(*wanted)
     latents, report = out[0]["samples"], out.ui["qi21_report"][0]
     assert latents.shape == (batch, 64, h // 16, w // 16) and torch.isfinite(latents).all()

@@ -13,7 +13,6 @@ import torch
 
 import graph_fixtures as gf
 from qi21.model.cache_store import DEFAULT_STORE
-from qi21.nodes import bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
@@ -42,28 +41,22 @@ def resident_bytes() -> int:
 
 
 @pytest.fixture(scope="module")
-def graph(tmp_path_factory):
-    gf.models_root(tmp_path_factory)
+def graph(models_root):
     models = gf.load("model", "turbo", "text_encoder", "vae")
     image = torch.rand(1, 256, 288, 3, generator=torch.Generator().manual_seed(0))
     references = QI21Reference.execute(models["vae"], image, 0)[0]
     models["edit"] = QI21TextEncode.execute(models["text_encoder"], "<image1> at dusk", references)[0]
-    yield models
-    bridge.set_models_root(None)
+    return models
 
 
 @pytest.fixture
 def small_store(graph):
     """A budget that holds the reference prompt's cache and two text caches: cold prompts evict each other."""
-    saved = DEFAULT_STORE.budget_bytes
     DEFAULT_STORE.clear()
     edit = run(graph, 0, keep=True)["cache_bytes"]
     hot = run(graph, 1, keep=True)["cache_bytes"]
-    DEFAULT_STORE.clear()
-    DEFAULT_STORE.budget_bytes = edit + 2 * hot
-    yield DEFAULT_STORE
-    DEFAULT_STORE.budget_bytes = saved
-    DEFAULT_STORE.clear()
+    with gf.default_store_budget(edit + 2 * hot) as store:
+        yield store
 
 
 def run(graph, i: int, keep: bool) -> dict:
@@ -80,6 +73,7 @@ def run(graph, i: int, keep: bool) -> dict:
     return out.ui["qi21_report"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from Linux's /proc")
 def test_fifty_runs_keep_memory_flat_and_the_kept_caches_inside_their_budget(graph, small_store):
     caches, hits, evictions, rss, python_bytes = [], 0, 0, {}, {}

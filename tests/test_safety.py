@@ -96,7 +96,8 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
         assert len(_violations(bad)) == 5
         sneaky = tmp_path / "sneaky.py"
         sneaky.write_text("import torch as t\nimport torch\nimport os\nfrom os import environ, execv\n"
-                          "import importlib\nt.load('f')\ntorch.serialization.load('f')\nexecv('a', [])\nos.spawnl(0, 'a')\n"
+                          "import importlib\nt.load('f')\ntorch.serialization.load('f')\nexecv('a', [])\n"
+                          "os.spawnl(0, 'a')\n"
                           "x = environ\nTokenizer.from_pretrained('Qwen/Qwen3-VL-8B-Instruct')\n"
                           "Tokenizer.from_pretrained('folder', local_files_only=True)\nimport ctypes\n")
         assert sorted(v.split(":", 1)[1] for v in _violations(sneaky)) == sorted([

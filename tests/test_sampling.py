@@ -1,28 +1,22 @@
 """Whole sampling loops against a loop built from diffusers' transformer and scheduler (same weights, noise
 and embeddings), and the prefix cache's lifetime across steps and runs."""
 
-import gc
 
 import numpy as np
 import pytest
 import torch
 
-from dit_fixtures import tiny_pair
+import graph_fixtures as gf
 from oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop
 from qi21.model.cache_store import PrefixCacheStore
 from qi21.model.conditioning import Conditioning
 from qi21.model.prefix_cache import PrefixKVCache
 from qi21.model.sampling import initial_noise, sample
-from qi21.model.schedule import base_sigmas, turbo_sigmas, TURBO_SIGMAS
+from qi21.model.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
 
 WIDTH, HEIGHT = 512, 768  # latent 48 x 32 (w x h)
 LATENT = (HEIGHT // 16, WIDTH // 16)
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def models():
-    return tiny_pair()
 
 
 def conditioning(ref_shapes=(), text_before=(6,), seed=3):
@@ -47,8 +41,8 @@ TWO_REFS = dict(ref_shapes=((8, 8), (6, 10)), text_before=(5, 2, 7))
 
 @pytest.mark.parametrize("steps", [8, 40])
 @pytest.mark.parametrize("refs", ["t2i", "two_references"])
-def test_base_loop_matches_diffusers(models, steps, refs):
-    reference, ours = models
+def test_base_loop_matches_diffusers(dit_pair, steps, refs):
+    reference, ours = dit_pair
     cond = conditioning(**(TWO_REFS if refs == "two_references" else {}))
     noise = initial_noise(7, 1, HEIGHT, WIDTH)
     grid = np.linspace(1.0, 1 / steps, steps)
@@ -59,8 +53,8 @@ def test_base_loop_matches_diffusers(models, steps, refs):
     assert got.report["cache"] == "miss" and got.report["steps"] == steps
 
 
-def test_turbo_loop_matches_diffusers(models):
-    reference, ours = models
+def test_turbo_loop_matches_diffusers(dit_pair):
+    reference, ours = dit_pair
     cond = conditioning(**TWO_REFS)
     noise = initial_noise(11, 1, HEIGHT, WIDTH)
     with torch.no_grad():
@@ -69,8 +63,8 @@ def test_turbo_loop_matches_diffusers(models):
     torch.testing.assert_close(got.latents, expected, rtol=0, atol=TOL)
 
 
-def test_cached_and_uncached_loops_agree(models):
-    _, ours = models
+def test_cached_and_uncached_loops_agree(dit_pair):
+    _, ours = dit_pair
     cond = conditioning(**TWO_REFS)
     kwargs = dict(sigmas=base_sigmas(12, WIDTH, HEIGHT), width=WIDTH, height=HEIGHT, seed=5)
     with torch.no_grad():
@@ -79,9 +73,9 @@ def test_cached_and_uncached_loops_agree(models):
     assert off.report["cache"] == "off" and off.report["cache_bytes"] == 0
 
 
-def test_teacher_forced_replay_cached_velocity_equals_uncached(models):
+def test_teacher_forced_replay_cached_velocity_equals_uncached(dit_pair):
     """Along the reference trajectory, every cached step's velocity equals the uncached one (<= 2e-5)."""
-    reference, ours = models
+    reference, ours = dit_pair
     cond = conditioning(**TWO_REFS)
     noise = initial_noise(2, 1, HEIGHT, WIDTH)
     trajectory = []
@@ -103,8 +97,8 @@ def type_prefix(cond):
     return PrefixInputs(layout=cond.layout(LATENT), text=cond.text, references=cond.references)
 
 
-def test_cfg_batched_equals_diffusers_two_passes(models):
-    reference, ours = models
+def test_cfg_batched_equals_diffusers_two_passes(dit_pair):
+    reference, ours = dit_pair
     positive = conditioning(**TWO_REFS, seed=3)
     negative = conditioning(ref_shapes=TWO_REFS["ref_shapes"], text_before=(5, 2, 2), seed=4)
     negative = Conditioning(negative.text, negative.image_slots, positive.references, positive.ref_shapes)
@@ -118,8 +112,8 @@ def test_cfg_batched_equals_diffusers_two_passes(models):
     assert got.report["prefix_tokens"] == positive.layout(LATENT).prefix_len + negative.layout(LATENT).prefix_len
 
 
-def test_batch_of_three_seeds_equals_three_single_runs(models):
-    _, ours = models
+def test_batch_of_three_seeds_equals_three_single_runs(dit_pair):
+    _, ours = dit_pair
     cond = conditioning(**TWO_REFS)
     noise = initial_noise(4, 3, HEIGHT, WIDTH)
     kwargs = dict(sigmas=base_sigmas(5, WIDTH, HEIGHT), width=WIDTH, height=HEIGHT)
@@ -147,8 +141,8 @@ def _count_prefills(model):
     return calls, counting
 
 
-def test_kept_cache_skips_the_prefill_and_gives_the_same_result(models, monkeypatch):
-    _, ours = models
+def test_kept_cache_skips_the_prefill_and_gives_the_same_result(dit_pair, monkeypatch):
+    _, ours = dit_pair
     store = PrefixCacheStore(budget_bytes=2**30)
     cond = conditioning(**TWO_REFS)
     calls, counting = _count_prefills(ours)
@@ -168,8 +162,8 @@ def test_kept_cache_skips_the_prefill_and_gives_the_same_result(models, monkeypa
     assert other.report["cache"] == "hit" and len(calls) == 2  # `fresh` prefilled (not kept), `other` did not
 
 
-def test_store_stays_inside_its_budget_and_evicts_least_recently_used(models):
-    _, ours = models
+def test_store_stays_inside_its_budget_and_evicts_least_recently_used(dit_pair):
+    _, ours = dit_pair
     one = sample(ours, conditioning(seed=1), sigmas=base_sigmas(2, 256, 256), width=256, height=256).report
     store = PrefixCacheStore(budget_bytes=int(2.5 * one["cache_bytes"]))
     prompts = [conditioning(seed=s) for s in range(1, 5)]
@@ -184,18 +178,13 @@ def test_store_stays_inside_its_budget_and_evicts_least_recently_used(models):
     assert len(store) == 0 and store.nbytes == 0
 
 
-def _live_filled_caches():
-    gc.collect()
-    return [o for o in gc.get_objects() if type(o) is PrefixKVCache and o.filled]
-
-
 class Stop(Exception):
     pass
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_interrupt_mid_loop_leaves_no_cache_behind(models, keep):
-    _, ours = models
+def test_interrupt_mid_loop_leaves_no_cache_behind(dit_pair, keep):
+    _, ours = dit_pair
     store = PrefixCacheStore()
     seen = []
 
@@ -209,11 +198,11 @@ def test_interrupt_mid_loop_leaves_no_cache_behind(models, keep):
         sample(ours, conditioning(**TWO_REFS), sigmas=base_sigmas(6, WIDTH, HEIGHT), width=WIDTH, height=HEIGHT,
                keep_cache=keep, store=store, callback=interrupt)
     assert seen == [0, 1, 2]
-    assert _live_filled_caches() == [] and len(store) == 0
+    assert gf.filled_caches() == [] and len(store) == 0
 
 
-def test_report_has_the_contract_keys(models):
-    _, ours = models
+def test_report_has_the_contract_keys(dit_pair):
+    _, ours = dit_pair
     with torch.no_grad():
         report = sample(ours, conditioning(**TWO_REFS), sigmas=base_sigmas(3, WIDTH, HEIGHT), width=WIDTH,
                         height=HEIGHT, batch_size=2).report
@@ -224,8 +213,8 @@ def test_report_has_the_contract_keys(models):
     assert report["cache_bytes"] == 2 * 3 * 2 * 32 * report["prefix_tokens"] * 4
 
 
-def test_nan_latents_stop_with_the_step_named(models, monkeypatch):
-    _, ours = models
+def test_nan_latents_stop_with_the_step_named(dit_pair, monkeypatch):
+    _, ours = dit_pair
     from qi21.model import sampling
 
     real_step, calls = sampling.euler_step, []
@@ -237,4 +226,4 @@ def test_nan_latents_stop_with_the_step_named(models, monkeypatch):
     monkeypatch.setattr(sampling, "euler_step", poisoned)
     with torch.no_grad(), pytest.raises(sampling.NonFiniteLatentsError, match="step 3 of 6"):
         sample(ours, conditioning(), sigmas=base_sigmas(6, 256, 256), width=256, height=256)
-    assert _live_filled_caches() == []
+    assert gf.filled_caches() == []

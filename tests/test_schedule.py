@@ -7,6 +7,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from qi21.model.latents import latent_tokens, sampling_size
 from qi21.model.schedule import (
     BASE_CONFIG,
     TURBO_SIGMAS,
@@ -14,14 +15,12 @@ from qi21.model.schedule import (
     base_sigmas,
     custom_sigmas,
     euler_step,
-    latent_tokens,
-    sampling_size,
     schedule_mu,
     transformer_timestep,
     turbo_sigmas,
 )
 
-# The released scheduler/scheduler_config.json (CHECKPOINTS.md 2.1); the flags left out are false by default.
+# The released scheduler/scheduler_config.json (docs/schedule.md); the flags left out are false by default.
 OFFICIAL_BASE = {
     "num_train_timesteps": 1000,
     "shift": 1.0,
@@ -60,15 +59,15 @@ def test_base_sigmas_equal_diffusers_bit_for_bit(steps, width, height):
     ours = base_sigmas(steps, width, height)
     ref = reference_scheduler(steps, width, height).sigmas
     assert ours.dtype == torch.float32 and ours.shape == (steps + 1,)
-    assert torch.equal(ours, ref)  # stronger than the 1e-6 the design asks for
+    assert torch.equal(ours, ref)  # stronger than a 1e-6 tolerance
 
 
 @pytest.mark.parametrize(
     "config",
     [
-        BaseScheduleConfig(shift_terminal=None),
-        BaseScheduleConfig(shift_terminal=0.05),
-        BaseScheduleConfig(base_shift=0.3, max_shift=1.15, max_image_seq_len=4096),
+        pytest.param(BaseScheduleConfig(shift_terminal=None), id="no terminal shift"),
+        pytest.param(BaseScheduleConfig(shift_terminal=0.05), id="terminal 0.05"),
+        pytest.param(BaseScheduleConfig(base_shift=0.3, max_shift=1.15, max_image_seq_len=4096), id="other shifts"),
     ],
 )
 def test_other_configs_equal_diffusers_with_the_same_fields(config):
@@ -93,7 +92,8 @@ def test_single_step_is_one_full_step_where_diffusers_gives_nan():
     assert base_sigmas(1, 1024, 1024).tolist() == [1.0, 0.0]
 
 
-def test_worked_numbers_of_the_design_doc_1024_and_2048():
+def test_worked_numbers_at_1024_and_2048():
+    """The worked example of docs/schedule.md (1024x1024, 40 steps) and the same at 2048x2048."""
     sig = base_sigmas(40, 1024, 1024)
     picked = sig[[0, 1, 2, 3, 4, 35, 36, 37, 38, 39, 40]].tolist()
     doc = [1.0, 0.986964, 0.973593, 0.959875, 0.945796, 0.198745, 0.157108, 0.113533, 0.067881, 0.02, 0.0]
@@ -111,9 +111,11 @@ def test_mu_is_linear_in_target_tokens_and_extrapolates(tokens, mu):
     assert schedule_mu(tokens) == pytest.approx(mu, abs=1e-6)
 
 
-@pytest.mark.parametrize(
-    "width,height,floored", [(1024, 1024, (1024, 1024)), (1000, 1030, (992, 1024)), (63, 95, (32, 64))]
-)
+@pytest.mark.parametrize("width,height,floored", [
+    pytest.param(1024, 1024, (1024, 1024), id="on the grid"),
+    pytest.param(1000, 1030, (992, 1024), id="1000x1030"),
+    pytest.param(63, 95, (32, 64), id="63x95"),
+])
 def test_sizes_are_floored_to_multiples_of_32_before_counting_tokens(width, height, floored):
     assert sampling_size(width, height) == floored
     assert latent_tokens(width, height) == (floored[0] // 16) * (floored[1] // 16)
@@ -195,12 +197,18 @@ def reference_transformer_timestep(t, dtype, batch=2):
     return (timestep / 1000).to(dtype)
 
 
+def scheduler_setup(name, steps, width, height, config, grid=None):
+    """A named `reference_scheduler` set-up (keyword arguments) for parametrized tests."""
+    return pytest.param(dict(steps=steps, width=width, height=height, config=config, grid=grid), id=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "setup", [(40, 1024, 1024, OFFICIAL_BASE, None), (8, 768, 1344, OFFICIAL_TURBO, list(TURBO_SIGMAS))]
-)
+@pytest.mark.parametrize("setup", [
+    scheduler_setup("base 40 steps 1024x1024", 40, 1024, 1024, OFFICIAL_BASE),
+    scheduler_setup("turbo 768x1344", 8, 768, 1344, OFFICIAL_TURBO, list(TURBO_SIGMAS)),
+])
 def test_transformer_timestep_equals_the_pipeline_expression(dtype, setup):
-    scheduler = reference_scheduler(*setup[:3], config=setup[3], grid=setup[4])
+    scheduler = reference_scheduler(**setup)
     sig = scheduler.sigmas[:-1]
     for i, t in enumerate(scheduler.timesteps):
         expected = reference_transformer_timestep(t, dtype)
@@ -210,7 +218,8 @@ def test_transformer_timestep_equals_the_pipeline_expression(dtype, setup):
     assert torch.equal(transformer_timestep(sig, dtype), (scheduler.timesteps.to(dtype) / 1000).to(dtype))
 
 
-def test_bf16_timesteps_round_twice_as_the_design_doc_tabulates():
+def test_bf16_timesteps_round_twice():
+    """The DiT's bf16 timesteps as docs/schedule.md tabulates them: T rounded to bf16, then T / 1000 again."""
     base = transformer_timestep(base_sigmas(40, 1024, 1024)[:-1], torch.bfloat16).float()
     picked = base[[0, 1, 2, 3, 4, 35, 36, 37, 38, 39]].tolist()
     doc = [1.0, 0.988281, 0.972656, 0.960938, 0.945312, 0.199219, 0.157227, 0.113281, 0.067871, 0.020020]
@@ -218,15 +227,17 @@ def test_bf16_timesteps_round_twice_as_the_design_doc_tabulates():
     turbo = transformer_timestep(turbo_sigmas()[:-1], torch.bfloat16).float().tolist()
     doc = [1.0, 0.980469, 0.957031, 0.929688, 0.894531, 0.843750, 0.703125, 0.414062]
     assert turbo == pytest.approx(doc, abs=1e-6)
-    assert transformer_timestep(base_sigmas(40, 1024, 1024)[1], torch.float32).item() == pytest.approx(0.986964, abs=1e-6)
+    second = transformer_timestep(base_sigmas(40, 1024, 1024)[1], torch.float32).item()
+    assert second == pytest.approx(0.986964, abs=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "setup", [(8, 1024, 1024, OFFICIAL_BASE, None), (8, 1024, 1024, OFFICIAL_TURBO, list(TURBO_SIGMAS))]
-)
+@pytest.mark.parametrize("setup", [
+    scheduler_setup("base 8 steps 1024x1024", 8, 1024, 1024, OFFICIAL_BASE),
+    scheduler_setup("turbo 1024x1024", 8, 1024, 1024, OFFICIAL_TURBO, list(TURBO_SIGMAS)),
+])
 def test_euler_step_equals_diffusers_step_bit_for_bit(dtype, setup):
-    scheduler = reference_scheduler(*setup[:3], config=setup[3], grid=setup[4])
+    scheduler = reference_scheduler(**setup)
     scheduler.set_begin_index(0)  # as the pipeline does
     sig = scheduler.sigmas
     x_ref = x_ours = torch.randn(2, 256, 64).to(dtype)

@@ -29,8 +29,16 @@ from qi21.model.references import MIN_VLM_PIXELS, prepare_reference, reference_s
 from qi21.model.safetensors_io import CheckpointError
 from qi21.model.text_encoder import SYSTEM_PROMPT, SYSTEM_TURN, prompt_text
 from qi21.model.text_encoder_loading import config_from_shapes, find_tokenizer_dir, load_processor, load_text_encoder
-from te_fixtures import (QWEN_ADDED_TOKENS, REAL_TOKENIZER_ENV, real_tokenizer_dir, reference_processor,
-                         tiny_reference_model, write_diffusers_folder, write_qwen2_tokenizer, write_single_file)
+from te_fixtures import (
+    QWEN_ADDED_TOKENS,
+    REAL_TOKENIZER_ENV,
+    real_tokenizer_dir,
+    reference_processor,
+    tiny_reference_model,
+    write_diffusers_folder,
+    write_qwen2_tokenizer,
+    write_single_file,
+)
 
 ATOL = 1e-5
 CPU = torch.device("cpu")
@@ -124,7 +132,8 @@ def assert_matches_diffusers(pipe, encoder, prompts, arrays=(), resolution=288):
 
 # -- reference preparation ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("size,resolution", [((410, 300), 1024), ((300, 410), 288), ((1000, 1000), 512),
-                                             ((1920, 1080), 1024), ((333, 517), 640), ((257, 1031), 800)])
+                                             ((1920, 1080), 1024), ((333, 517), 640), ((257, 1031), 800)],
+                         ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else f"at {value}")
 def test_reference_size_is_diffusers_calculate_dimensions(size, resolution):
     width, height, _ = calculate_dimensions(resolution * resolution, size[0] / size[1])
     assert reference_size(*size, resolution) == (width, height)
@@ -242,7 +251,7 @@ def test_system_turn_is_dropped_and_the_prompt_tokens_are_kept(oracle, encoder):
 def test_real_tokenizer_drops_14_system_tokens_and_a_cat_keeps_10(files, real_tokenizer):
     encoder = load_text_encoder(files / "qwen3vl_tiny.safetensors", dtype="fp32", tokenizer_dir=real_tokenizer)
     assert encoder.drop_tokens == 14
-    assert encoder.encode("A cat").embeds.shape == (10, encoder.hidden_size)  # CHECKPOINTS.md 4.5
+    assert encoder.encode("A cat").embeds.shape == (10, encoder.hidden_size)  # docs/checkpoints.md: template
 
 
 def test_real_tokenizer_matches_diffusers(oracle, files, real_tokenizer):

@@ -9,6 +9,7 @@ load to the same weights, and every other kind of file must be refused with an e
 import inspect
 import json
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -126,8 +127,9 @@ def test_normalisation_uses_the_published_statistics(pair):
     _, ours = pair
     z = torch.randn(2, 64, 3, 5) * 4
     mean, std = torch.tensor(LATENTS_MEAN).view(1, 64, 1, 1), torch.tensor(LATENTS_STD).view(1, 64, 1, 1)
-    torch.testing.assert_close(ours.normalize(z), (z - mean) / std, rtol=0, atol=0)  # the pipeline's formula
-    torch.testing.assert_close(ours.denormalize(ours.normalize(z)), z, rtol=0, atol=1e-5)
+    latent_format = ours.latent_format
+    torch.testing.assert_close(latent_format.normalize(z), (z - mean) / std, rtol=0, atol=0)  # the pipeline's formula
+    torch.testing.assert_close(latent_format.denormalize(latent_format.normalize(z)), z, rtol=0, atol=1e-5)
 
 
 def test_bad_inputs_are_refused_with_the_fix(pair):
@@ -141,7 +143,13 @@ def test_bad_inputs_are_refused_with_the_fix(pair):
 
 
 # -- tiling ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("length,tile,overlap", [(5, 8, 2), (24, 8, 4), (57, 16, 8), (100, 64, 16), (40, 16, 0)])
+@pytest.mark.parametrize("length,tile,overlap", [
+    pytest.param(5, 8, 2, id="axis shorter than a tile"),
+    pytest.param(24, 8, 4, id="24 by tiles of 8, overlap 4"),
+    pytest.param(57, 16, 8, id="57 by tiles of 16, overlap 8"),
+    pytest.param(100, 64, 16, id="100 by tiles of 64, overlap 16"),
+    pytest.param(40, 16, 0, id="no overlap"),
+])
 def test_tile_spans_cover_the_axis_with_at_least_the_overlap(length, tile, overlap):
     spans = _tile_spans(length, tile, overlap)
     assert spans[0][0] == 0 and spans[-1][1] == length
@@ -243,7 +251,7 @@ def test_tiled_decode_memory_is_bounded_by_one_tile(other_pair):
     for width in (8, 16):  # 3 and 7 tiles wide
         latents = torch.randn(1, 64, 4, width)
         blend_buffers = (4 + 1) * 4 * (4 * 16) * (width * 16)  # fp32 RGBA sum + fp32 weight sum
-        tiled = peak_bytes(lambda: model.decode(latents, tiled=True, tiling=tiling))
+        tiled = peak_bytes(partial(model.decode, latents, tiled=True, tiling=tiling))
         assert tiled <= 1.1 * one_tile + blend_buffers
     assert peak_bytes(lambda: model.decode(latents, tiled=False)) > 3 * one_tile  # 4x16 cells in one pass
 
@@ -266,7 +274,7 @@ def test_tiled_none_switches_to_tiles_above_the_threshold(other_pair):
 
 # -- loading ---------------------------------------------------------------------------------------------------
 def wan_name(name: str, num_res_blocks: int) -> str:
-    """ComfyUI's (Wan 2.2) name for a diffusers VAE tensor, written from CHECKPOINTS.md 3.3 and the
+    """ComfyUI's (Wan 2.2) name for a diffusers VAE tensor, written from docs/checkpoints.md and the
     `nn.Sequential` indices of ComfyUI's `vae2_2.py`, independently of the loader's rename rules."""
     residual = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
                 "conv_shortcut": "shortcut"}
@@ -370,7 +378,7 @@ def test_default_dtype_is_the_files_and_fp16_warns(files):
     ("decoder.head.2.weight", "decoder.conv_out.weight"),
 ])
 def test_released_comfy_names_map_to_diffusers(comfy, diffusers):
-    """Names of the released file (CHECKPOINTS.md 3.3), at the released depth (2 and 3 resnets per stage)."""
+    """Names of the released file (docs/checkpoints.md), at the released depth (2 and 3 resnets per stage)."""
     assert comfy_to_diffusers_key(comfy) == diffusers
     assert wan_name(diffusers, 2) == comfy
 
@@ -410,11 +418,12 @@ def _pickle(path):
 
 
 @pytest.mark.parametrize("make,name,found", [
-    (_dit, "qwen_image_2.1_bf16.safetensors", "DiT"),
-    (_text_encoder, "qwen3vl_8b_bf16.safetensors", "text encoder"),
-    (_wan21, "qwen_image_vae.safetensors", "Wan 2.1 / Qwen-Image 1.x VAE"),
-    (_qwen_image_1, "diffusion_pytorch_model.safetensors", "Wan 2.1 / Qwen-Image 1.x VAE"),
-    (_pickle, "vae.pt", "pickle"),
+    pytest.param(_dit, "qwen_image_2.1_bf16.safetensors", "DiT", id="DiT"),
+    pytest.param(_text_encoder, "qwen3vl_8b_bf16.safetensors", "text encoder", id="text encoder"),
+    pytest.param(_wan21, "qwen_image_vae.safetensors", "Wan 2.1 / Qwen-Image 1.x VAE", id="Wan 2.1 VAE"),
+    pytest.param(_qwen_image_1, "diffusion_pytorch_model.safetensors", "Wan 2.1 / Qwen-Image 1.x VAE",
+                 id="Qwen-Image 1.x VAE folder file"),
+    pytest.param(_pickle, "vae.pt", "pickle", id="pickle"),
 ])
 def test_other_files_are_refused_naming_what_they_are(make, name, found, tmp_path, monkeypatch):
     path = make(tmp_path / name)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from qi21.nodes import NODES
+from qi21.nodes.validation import widget_option
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "workflows"
@@ -27,11 +28,12 @@ NAMES = [p.stem for p in UI_FILES]
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
-#: Model-file combos list the user's model folders (empty here), so the examples must use DESIGN.md's names.
-DESIGN_FILES = {
+#: Model-file combos list the user's model folders (empty here), so the examples must use the released file names.
+RELEASED_FILES = {
     "model_name": {"qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_turbo_bf16.safetensors"},
     "text_encoder_name": {"qwen3vl_8b_bf16.safetensors"},
     "vae_name": {"qwen_image_2.1_vae_bf16.safetensors"},
+    "lora_name": {"qwen_image_2.1_speed_lora.safetensors"},  # the example's placeholder name (its note says so)
 }
 TURBO_FILES = {"qwen_image_2.1_turbo_bf16.safetensors"}
 NOTES = {"Note", "MarkdownNote"}
@@ -75,24 +77,16 @@ def _number_rule(io_type, lo, hi, step):
     return rule
 
 
-def _option(schema_input, key):
-    """Our stand-in keeps widget options in a dict; ComfyUI's V3 inputs keep them as attributes."""
-    options = getattr(schema_input, "options", None)
-    if isinstance(options, dict):
-        return options.get(key)
-    return options if key == "options" else getattr(schema_input, key, None)
-
-
 def _widget_rule(schema_input):
     io_type, name = schema_input.io_type, schema_input.id
     if io_type in ("INT", "FLOAT"):
-        return _number_rule(io_type, _option(schema_input, "min"), _option(schema_input, "max"),
-                            _option(schema_input, "step"))
+        return _number_rule(io_type, widget_option(schema_input, "min"), widget_option(schema_input, "max"),
+                            widget_option(schema_input, "step"))
     if io_type == "STRING":
         return lambda v: None if isinstance(v, str) else f"{v!r} is not a string"
     if io_type == "BOOLEAN":
         return lambda v: None if isinstance(v, bool) else f"{v!r} is not a boolean"
-    allowed = DESIGN_FILES.get(name) or set(_option(schema_input, "options") or ())
+    allowed = RELEASED_FILES.get(name) or set(widget_option(schema_input, "options") or ())
     return lambda v: None if v in allowed else f"{v!r} is not one of {sorted(allowed)}"
 
 
@@ -103,7 +97,7 @@ def our_sig(node_class) -> Sig:
     for i in inputs:
         if i.io_type in WIDGET_TYPES:
             widgets.append((i.id, i.io_type, _widget_rule(i)))
-            if _option(i, "control_after_generate"):
+            if widget_option(i, "control_after_generate"):
                 widgets.append((None, "CONTROL", lambda v: None if v in SEED_CONTROLS else f"{v!r} not a control"))
     return Sig(schema.display_name,
                sockets=[(i.id, i.io_type, bool(i.optional)) for i in inputs if i.io_type not in WIDGET_TYPES],
@@ -125,6 +119,9 @@ CORE = {
     "MaskPreview": Sig("Preview Mask", sockets=[("mask", "MASK", False)], outputs=[("mask", "MASK")]),
     "Note": Sig("Note", widgets=[("text", "STRING", _any_string)], note=True),
     "MarkdownNote": Sig("Markdown Note", widgets=[("text", "STRING", _any_string)], note=True),
+    "SetLatentNoiseMask": Sig("Set Latent Noise Mask", sockets=[("samples", "LATENT", False), ("mask", "MASK", False)],
+                              outputs=[("LATENT", "LATENT")]),
+    "ManualSigmas": Sig("ManualSigmas", widgets=[("sigmas", "STRING", _any_string)], outputs=[("SIGMAS", "SIGMAS")]),
 }
 UI_ONLY_WIDGETS = {("LoadImage", "upload")}  # a button; its value is saved in the UI form only
 SIGS = {**CORE, **{n.define_schema().node_id: our_sig(n) for n in NODES}}
@@ -348,7 +345,7 @@ def source_of(workflow: dict, node: dict, input_name: str) -> tuple[dict, int] |
 def test_the_examples_come_in_both_forms_in_their_folders():
     """UI files at the top of workflows/ (the folder ComfyUI's template browser lists: `<pack>/workflows/*.json`),
     API files in workflows/api/ (not listed: an API prompt would not load as a workflow)."""
-    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 5
+    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 9
     assert [p.stem for p in API_FILES] == NAMES
     assert all("nodes" in read(p) and "links" in read(p) for p in UI_FILES)
     assert all(all("class_type" in node for node in read(p).values()) for p in API_FILES)
@@ -375,7 +372,7 @@ def test_every_example_loads_the_design_files_decodes_saves_and_explains_itself(
     for loader, widget in (("QI21ModelLoader", "model_name"), ("QI21TextEncoderLoader", "text_encoder_name"),
                            ("QI21VAELoader", "vae_name")):
         (node,) = nodes_of(workflow, loader)
-        assert ui_widget_values(node)[widget] in DESIGN_FILES[widget], (name, loader)
+        assert ui_widget_values(node)[widget] in RELEASED_FILES[widget], (name, loader)
     saves = nodes_of(workflow, "SaveImage")
     assert saves and all(source_of(workflow, s, "images")[0]["type"] == "QI21VAEDecode" for s in saves)
     notes = [n for n in workflow["nodes"] if n["type"] in NOTES]
@@ -386,7 +383,10 @@ def test_every_example_loads_the_design_files_decodes_saves_and_explains_itself(
 def test_each_sampler_gets_the_model_it_was_made_for(name):
     workflow = ui(name)
     for sampler in nodes_of(workflow, "QI21Sampler") + nodes_of(workflow, "QI21TurboSampler"):
-        model_file = ui_widget_values(source_of(workflow, sampler, "model")[0])["model_name"]
+        source = source_of(workflow, sampler, "model")[0]
+        while source["type"] == "QI21LoraLoader":  # a LoRA passes the loader's model on
+            source = source_of(workflow, source, "model")[0]
+        model_file = ui_widget_values(source)["model_name"]
         assert (model_file in TURBO_FILES) == (sampler["type"] == "QI21TurboSampler"), name
 
 
@@ -460,7 +460,7 @@ def test_check_reports_edited_missing_and_unknown_files(tmp_path):
 
 # -- the contract the saved files rely on ---------------------------------------------------------------------------
 
-#: Widget order as shipped (DESIGN.md section 2). Saved workflows match widgets by position, so these may only be
+#: Widget order as shipped (the node contract). Saved workflows match widgets by position, so these may only be
 #: appended to; a reordered or removed widget silently shifts every saved value after it.
 SHIPPED_WIDGETS = {
     "QI21ModelLoader": ["model_name", "weight_dtype", "attention"],
@@ -568,7 +568,7 @@ UI_BREAKAGES = {
     "renamed input": (_rename_input, "inputs ["),
     "unknown node type": (_unknown_node, "unknown node type"),
     "invalid combo value": (_bad_dtype, "'bf8' is not one of"),
-    "model file not in DESIGN": (_user_model_name, "my_model.safetensors"),
+    "model file not a released name": (_user_model_name, "my_model.safetensors"),
     "number below min": (_steps_out_of_range, "outside"),
     "size off the x32 grid": (_size_off_grid, "step 32"),
     "optional widget value missing": (_missing_optional_widget, "0 widget values"),
@@ -596,7 +596,7 @@ API_BREAKAGES = {
     "link to a mistyped output": (lambda p: _api_node(p, "QI21VAEDecode")["inputs"].update(samples=["1", 0]),
                                   "fed by QI21_MODEL"),
     "widget value missing": (lambda p: _api_node(p, "QI21Sampler")["inputs"].pop("cfg"), "widget cfg"),
-    "unknown input": (lambda p: _api_node(p, "QI21Sampler")["inputs"].update(denoise=1.0), "unknown inputs"),
+    "unknown input": (lambda p: _api_node(p, "QI21Sampler")["inputs"].update(strength=1.0), "unknown inputs"),
     "note in the prompt": (lambda p: p.update({"50": {"inputs": {"text": "x"}, "class_type": "MarkdownNote",
                                                       "_meta": {"title": "n"}}}), "not a node the server knows"),
 }
@@ -627,3 +627,33 @@ def test_the_validators_catch_api_and_ui_forms_that_disagree(breakage):
     mutate(workflow, prompt)
     problems = pair_problems(workflow, prompt)
     assert any(expected in p for p in problems), problems
+
+
+# -- download hints ----------------------------------------------------------------------------------------------
+LOADER_FOLDERS = {"QI21ModelLoader": ("model_name", "diffusion_models"),
+                  "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"), "QI21VAELoader": ("vae_name", "vae")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_loader_says_where_to_download_its_file(name, models_root):
+    """Opening a shared workflow without the files offers their download, as core templates do: each loader node
+    carries `properties.models` naming the file it loads, a folder the loader reads, and the official repackage's
+    URL for that file; the name is one the loader lists (the released names, as in the tiny model set)."""
+    from qi21.nodes import loaders
+
+    classes = {"QI21ModelLoader": loaders.QI21ModelLoader, "QI21TextEncoderLoader": loaders.QI21TextEncoderLoader,
+               "QI21VAELoader": loaders.QI21VAELoader}
+    checked = 0
+    for node in ui(name)["nodes"]:
+        if node["type"] not in LOADER_FOLDERS:
+            continue
+        widget, folder = LOADER_FOLDERS[node["type"]]
+        listed = widget_option(next(i for i in classes[node["type"]].define_schema().inputs if i.id == widget),
+                               "options")
+        file_name = ui_widget_values(node)[widget]
+        entries = node["properties"].get("models")
+        assert entries == [{"name": file_name, "url": f"{builder.REPACKAGE_URL}/{folder}/{file_name}",
+                            "directory": folder}], node["type"]
+        assert file_name in listed and builder.REPACKAGE_URL.startswith("https://huggingface.co/Comfy-Org/")
+        checked += 1
+    assert checked >= 3

@@ -5,11 +5,12 @@ Test settings (environment variables read only by the tests):
     QI21_COMFYUI_PYTHON   the interpreter that runs it (default: the one running pytest); it needs ComfyUI's
                           requirements and this pack's runtime dependencies.
 
-One server serves every test of the session (`server_for(request)` in a session fixture, or `shared_server()`): a temporary base
-directory (`--base-directory`) holds models/ (the tiny random checkpoints of demo/tiny_checkpoints.py), input/
-(the images the example workflows load), output/, user/ and custom_nodes/<pack> (a symlink to this repository),
-so the developer's own ComfyUI folders are never touched. The server listens on a free port of 127.0.0.1 only,
-its log goes to <base>/comfyui.log, and it is stopped (by its process id) at the end of the session.
+One server serves every test of the session (`server_for(request)` in a session fixture, or `shared_server()`):
+a temporary base directory (`--base-directory`) holds models/ (the tiny random checkpoints of
+demo/tiny_checkpoints.py), input/ (the images the example workflows load), output/, user/ and
+custom_nodes/<pack> (a symlink to this repository), so the developer's own ComfyUI folders are never touched.
+The server listens on a free port of 127.0.0.1 only, its log goes to <base>/comfyui.log, and it is stopped (by
+its process id) at the end of the session.
 
 Where the ComfyUI interpreter cannot import torchvision or torchaudio (they cannot be installed beside the local CPU
 build of torch), the empty stand-ins in tests/comfyui/stubs/ are put on the server's PYTHONPATH: ComfyUI imports
@@ -96,11 +97,12 @@ def api_workflows() -> list[Path]:
 
 
 def load_pack():
-    """The repository as package `qi21` (tests/conftest.py normally did this already)."""
-    sys.path.insert(0, str(REPO / "demo"))
-    from pack_import import import_pack
-
-    return import_pack(PACKAGE)
+    """The repository as package `qi21` (tests/conftest.py normally did this already), through the shared helper
+    demo/pack_import.py loaded by its file path (no `sys.path` edit)."""
+    spec = importlib.util.spec_from_file_location("qi21_pack_import", REPO / "demo" / "pack_import.py")
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    return helper.import_pack(PACKAGE)
 
 
 def tiny_checkpoint_writer():
@@ -203,7 +205,7 @@ class ComfyServer:
     def environment(self) -> dict:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
-        missing = missing_modules(self.python, ["torch", "aiohttp", "safetensors", "transformers", "einops", "PIL"])
+        missing = missing_modules(self.python, ["torch", "aiohttp", "safetensors", "transformers", "PIL"])
         if missing:
             pytest.fail(f"{self.python} (set {ENV_PYTHON}) lacks {missing}: install ComfyUI's requirements.txt and "
                         "this pack's dependencies into it (see tests/test_comfyui_server.py)")
@@ -229,7 +231,8 @@ class ComfyServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited with code {self.proc.returncode} while starting.\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"ComfyUI exited with code {self.proc.returncode} while starting.\n{self.log_tail()}")
             try:
                 self.get_json("/system_stats", timeout=5)
                 break
