@@ -47,6 +47,12 @@ class PrefixCacheStore:
             while self._entries and self.nbytes > self.limit_bytes:
                 self._entries.popitem(last=False)[1].free()
 
+    def drop_where(self, predicate) -> None:
+        """Free every kept cache for which `predicate(cache)` holds."""
+        with self._lock:
+            for key in [k for k, cache in self._entries.items() if predicate(cache)]:
+                self._entries.pop(key).free()
+
     def payloads(self) -> list:
         """The tensors the kept caches hold (for memory accounting)."""
         return [t for cache in self._entries.values() for t in (cache.kv or ())]

@@ -9,7 +9,7 @@ output, and the two halves of the SwiGLU hidden state.
 
 The memory planner (`planner.py`) builds every DiT phase on this estimate (adding the weights on the device, the
 target attention's K/V concatenation off the CPU and a fixed allowance for workspaces), and the samplers refuse a
-run through the planner now (`planner.PlanError`); `check_fits` remains for callers that have no planner.
+run that fits no plan through it (`planner.PlanError`).
 """
 
 from dataclasses import dataclass
@@ -44,14 +44,3 @@ def estimate_run(config: DiTConfig, prefix_tokens: list[int], target_tokens: int
     cache = 2 * config.num_layers * config.num_heads * config.head_dim * sum(prefix_tokens) * itemsize
     return RunEstimate(latents, cache if prefix_cache else 0, step, rows)
 
-
-def check_fits(estimate: RunEstimate, available: int | None, where: str) -> None:
-    """Refuse a run whose predicted peak exceeds `available` bytes (None: unknown, not checked)."""
-    if available is None or estimate.total <= available:
-        return
-    raise MemoryError(
-        f"This run needs about {estimate.total / GIB:.1f} GiB more than the model weights ({estimate.rows:,} rows "
-        f"per step: {estimate.step / GIB:.1f} GiB for one step, {estimate.cache / GIB:.1f} GiB of prefix cache, "
-        f"{estimate.latents / GIB:.1f} GiB of latents), but only {available / GIB:.1f} GiB is free {where}. Lower "
-        "batch_size, width/height or the number of references."
-    )

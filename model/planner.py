@@ -489,10 +489,11 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
     decode = plan_decode(vae, run.batch, run.grid, budget, must_fit=False)
     phases = {**phases, "decode": decode.peak}
     if cache == "host":
-        store_budget = max(0, (budget.host or 0) - host + cache_bytes) if budget.host is not None else cache_bytes
+        store_budget = max(0, budget.host - host) if budget.host is not None else cache_bytes
     else:
+        # the run's own (new or taken) cache is part of its peak already: kept entries get only what is left
         sampling_peak = max(v for k, v in phases.items() if k != "decode")
-        store_budget = max(0, budget.device - sampling_peak + (cache_bytes if cache == "device" else 0))
+        store_budget = max(0, budget.device - sampling_peak)
     return Plan(streamed, n, cache, decode.label, phases, budget, store_budget, copied, host)
 
 

@@ -203,6 +203,8 @@ def sample(
 
     init = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
     mask = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
+    if mask is not None and init is None:
+        raise ValueError("a noise_mask needs the latent_image it keeps outside the mask.")
     x0 = start_latents(noise, init, sigmas[0].item(), add_noise)
     kept_noise = noise.float() if add_noise else torch.zeros_like(x0)
     x = _pack(x0).to(device=device, dtype=dtype)
@@ -226,7 +228,9 @@ def sample(
             if mask is not None:  # the kept region: the input latent noised to the next sigma
                 sigma_next = sigmas[i + 1].item()
                 kept = sigma_next * kept_noise + (1.0 - sigma_next) * init
-                x = (x.float() * mask + kept * (1.0 - mask)).to(dtype)
+                blended = x.float() * mask + kept * (1.0 - mask)
+                # the last step's blend stays fp32, so the kept region is the input latent exactly in any dtype
+                x = blended if i == steps - 1 else blended.to(dtype)
             watch.check(x, i)
             clock.stop(started)
             if callback is not None:

@@ -102,7 +102,9 @@ def comfy_tokenizer_dir() -> Path | None:
 def compute_device() -> torch.device:
     if HAVE_COMFY:
         return _mm.get_torch_device()
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():  # with its index: tensors report "cuda:0", and "cuda" != "cuda:0"
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def offload_device() -> torch.device:
@@ -292,7 +294,11 @@ def load_managed(model: torch.nn.Module, on_unload=None, *, layers=None, streame
             _mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
             place_layers(model, layers, streamed, patcher.load_device)
             return patcher.load_device
+        except (MemoryError, torch.OutOfMemoryError, KeyboardInterrupt):
+            raise
         except Exception as error:  # an API change must not stop sampling: fall back, and say so
+            if type(error).__name__ == "InterruptProcessingException":  # ComfyUI's Cancel is not a refusal
+                raise
             if not _warned_unmanaged:
                 log.warning("qi21: ComfyUI's model manager refused the %s (%s); moving it by hand, so ComfyUI will "
                             "not evict it automatically.", what, error)

@@ -82,6 +82,8 @@ class Placed:
 def placed(model, plan, on_unload=None):
     """Load `model` as `plan` says and run the body with its blocks streamed (if any) and its caches made as planned;
     on a GPU the device peak of the run is measured (`peak_bytes`) next to the plan's prediction."""
+    if plan.cache == "host":  # the plan counted kept device caches as free room: release them
+        DEFAULT_STORE.drop_where(lambda cache: cache.device is not None and cache.device.type != "cpu")
     DEFAULT_STORE.set_free(plan.store_budget)  # kept caches beside this run: from what is free, not a constant
     weights = dit_weights(model)
     beside = plan.sampling_peak - (weights.total - weights.streamed_bytes(plan.streamed))  # run + streaming slots

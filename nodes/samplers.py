@@ -135,12 +135,12 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     difference = _reference_difference(positive, negative if cfg > 1 else None)
     if difference:
         notes.append(f"{difference} (the reference pipeline encodes both prompts with the same images)")
-    if raw is None and sigmas[0].item() < 1.0:
-        # as ComfyUI does with an empty latent: the start mixes noise with an all-zero (raw) image
-        raw = torch.zeros(1, LATENT_CHANNELS, *latent_shape(width, height))
     if raw is None and not add_noise:
         raise ValueError("add_noise is off but no latent_image is connected: add_noise off continues an already "
                          "noised latent (the second half of a split schedule). Connect one, or turn add_noise on.")
+    if raw is None and sigmas[0].item() < 1.0:
+        # as ComfyUI does with an empty latent: the start mixes noise with an all-zero (raw) image
+        raw = torch.zeros(1, LATENT_CHANNELS, *latent_shape(width, height))
     for note in notes:
         bridge.log.warning("qi21 %s sampler: %s", sampler, note)
 

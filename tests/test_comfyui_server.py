@@ -313,8 +313,11 @@ def check_report(report: dict, sampler: dict) -> None:
     assert isinstance(report["prefix_tokens"], int) and report["prefix_tokens"] > 0
     assert isinstance(report["target_tokens"], int) and report["target_tokens"] > 0
     assert report["batch"] == inputs.get("batch_size", 1)
-    expected_steps = TURBO_STEPS if sampler["class_type"] == "QI21TurboSampler" else inputs["steps"]
-    assert report["steps"] == expected_steps
+    if isinstance(inputs.get("sigmas"), list):  # a connected schedule sets the step count (ManualSigmas' values)
+        assert isinstance(report["steps"], int) and report["steps"] >= 1
+    else:
+        expected_steps = TURBO_STEPS if sampler["class_type"] == "QI21TurboSampler" else inputs["steps"]
+        assert report["steps"] == expected_steps
     cache_on = inputs.get("prefix_cache", "on") == "on"
     assert report["cache"] in (("miss", "hit") if cache_on else ("off",)), report
     assert isinstance(report["cache_bytes"], int) and (report["cache_bytes"] > 0) == cache_on
@@ -425,15 +428,14 @@ def _base_prompt():
 
 def test_widgets_linked_from_primitives_run(comfyui_server):
     """ComfyUI validates a prompt with None for every linked input: `steps` from a PrimitiveInt and `cfg` from a
-    PrimitiveFloat (and the model file name from a PrimitiveString) must pass validation and run."""
+    PrimitiveFloat must pass validation and run. (A file-name combo cannot be fed from a PrimitiveString through
+    the API, ComfyUI refuses the STRING -> COMBO link itself; the loaders' execute-time check is tested without a
+    server in tests/test_reliability_inputs.py.)"""
     prompt = _base_prompt()
     (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] == "QI21Sampler"]
-    loader_id = _source(prompt, prompt[sampler_id]["inputs"]["model"])[0]
     prompt["901"] = {"class_type": "PrimitiveInt", "inputs": {"value": 2}}
     prompt["902"] = {"class_type": "PrimitiveFloat", "inputs": {"value": 1.0}}
-    prompt["903"] = {"class_type": "PrimitiveString", "inputs": {"value": prompt[loader_id]["inputs"]["model_name"]}}
     prompt[sampler_id]["inputs"].update(steps=["901", 0], cfg=["902", 0])
-    prompt[loader_id]["inputs"]["model_name"] = ["903", 0]
     entry = comfyui_server.run_prompt(prompt)
     assert entry["status"]["status_str"] == "success", _failure(comfyui_server, entry)
     assert entry["outputs"][sampler_id]["qi21_report"][0]["steps"] == 2
@@ -460,8 +462,9 @@ def test_a_run_that_cannot_fit_is_refused_at_once(comfyui_server):
 def test_the_server_log_has_no_traceback_from_the_pack(comfyui_server):
     log = comfyui_server.log_text()
     markers = comfyui_server.pack_markers()
-    ours = [block for block in harness.tracebacks(log) if any(m in block for m in markers)]
+    refusal = "PlanError: This run needs"  # test_a_run_that_cannot_fit_is_refused_at_once, deliberately
+    ours = [block for block in harness.tracebacks(log) if any(m in block for m in markers) and refusal not in block]
     assert not ours, (f"{len(ours)} traceback(s) from the pack in {comfyui_server.log_path}; the first:\n{ours[0]}\n"
                       "and the last line of each:\n" + "\n".join(block.splitlines()[-1] for block in ours))
-    errors = [line for line in log.splitlines() if "qi21" in line.lower() and "[ERROR]" in line]
+    errors = [line for line in log.splitlines() if "qi21" in line.lower() and "[ERROR]" in line and refusal not in line]
     assert not errors, "\n".join(errors)

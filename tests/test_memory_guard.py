@@ -1,6 +1,8 @@
 """A request within the widgets' limits that cannot fit in memory is refused before anything is allocated
 (`width 4096, height 4096, batch_size 64` used to grow the process until the kernel killed the server)."""
 
+import re
+
 import pytest
 
 import graph_fixtures as gf
@@ -32,9 +34,19 @@ def test_a_run_that_cannot_fit_is_refused_before_any_allocation(turbo, monkeypat
 
 def test_the_refusal_names_the_numbers_and_cfg_counts_twice(turbo, monkeypatch, no_noise):
     monkeypatch.setattr(bridge, "memory_limit", lambda device: 64 * 1024**2)
-    with pytest.raises(MemoryError, match=r"rows per step"):
-        QI21Sampler.execute(turbo, gf.synthetic_conditioning(), 0, 4, 3.0, 2048, 2048, 8,
-                            negative=gf.synthetic_conditioning(seed=1))
+    positive, negative = gf.synthetic_conditioning(), gf.synthetic_conditioning(seed=1)
+
+    def refusal(**extra):
+        with pytest.raises(MemoryError, match=r"rows per step") as error:
+            QI21Sampler.execute(turbo, positive, 0, 4, 3.0, 2048, 2048, 8, **extra)
+        return str(error.value)
+
+    def rows(message):
+        return int(re.search(r"([\d,]+) rows per step", message).group(1).replace(",", ""))
+
+    alone, with_cfg = rows(refusal()), rows(refusal(negative=negative))
+    target_rows = 8 * (2048 // 16) ** 2
+    assert with_cfg - alone == target_rows + negative.layout((128, 128)).prefix_len  # twice the samples
 
 
 def test_a_run_that_fits_is_not_refused(turbo, monkeypatch):

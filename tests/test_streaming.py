@@ -9,6 +9,7 @@ import torch
 from dit_fixtures import tiny_pair
 from qi21.model.cache_store import PrefixCacheStore
 from qi21.model.conditioning import Conditioning
+from qi21.model.lora import _clone_tree
 from qi21.model.planner import dit_weights
 from qi21.model.prefix_cache import PrefixKVCache
 from qi21.model.sampling import initial_noise, sample
@@ -132,11 +133,12 @@ def test_streamer_on_a_plain_layer_stack_and_a_lora_style_copy():
         return h
 
     expected = forward(layers)
+    clone = _clone_tree(layers)  # new module objects holding the same Parameters, as a LoRA copy does
     with LayerStreamer(layers, (0, 1, 3), "cpu") as streamer:
-        clone = copy.copy(layers)  # shares the Parameter objects, as a LoRA copy does
         assert torch.equal(forward(layers), expected) and torch.equal(forward(layers), expected)
+        assert torch.equal(forward(clone), expected)  # streaming the original leaves the copy's weights intact
         assert streamer.copies == 2 * 3 + 1  # each pass copies each streamed layer once; 0 is fetched ahead again
-    assert torch.equal(forward(clone), expected)
+    assert torch.equal(forward(clone), expected) and torch.equal(forward(layers), expected)
 
 
 def test_place_layers_and_the_resident_part(model):

@@ -350,8 +350,8 @@ def has_references(prompt: dict, sampler: dict) -> bool:
 
 
 def shrink_prompt(prompt: dict) -> tuple[dict, list[str]]:
-    """A copy that runs in seconds on a CPU: sampler sides 256 (0 = follow the reference stays 0 when there is
-    one), at most 3 Base steps, references at resolution <= 288. Returns (copy, what changed)."""
+    """A copy that runs in seconds on a CPU: sampler sides 256 (0 = follow the reference or the latent_image stays
+    0 when there is one), at most 3 Base steps, references at resolution <= 288. Returns (copy, what changed)."""
     small, changes = copy.deepcopy(prompt), []
 
     def cap(node_id, inputs, name, value):
@@ -362,7 +362,7 @@ def shrink_prompt(prompt: dict) -> tuple[dict, list[str]]:
     for node_id, node in small.items():
         inputs, kind = node.get("inputs", {}), node.get("class_type")
         if kind in SAMPLERS:
-            follows = has_references(small, node)
+            follows = has_references(small, node) or "latent_image" in inputs  # 0 = follow the reference / latent
             for name in ("width", "height"):
                 value = inputs.get(name)
                 if isinstance(value, int) and not (value == 0 and follows):
