@@ -294,7 +294,7 @@ def load_managed(model: torch.nn.Module, on_unload=None, *, layers=None, streame
             _mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
             place_layers(model, layers, streamed, patcher.load_device)
             return patcher.load_device
-        except (MemoryError, torch.OutOfMemoryError, KeyboardInterrupt):
+        except (MemoryError, torch.cuda.OutOfMemoryError, KeyboardInterrupt):
             raise
         except Exception as error:  # an API change must not stop sampling: fall back, and say so
             if type(error).__name__ == "InterruptProcessingException":  # ComfyUI's Cancel is not a refusal

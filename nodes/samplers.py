@@ -144,8 +144,11 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     for note in notes:
         bridge.log.warning("qi21 %s sampler: %s", sampler, note)
 
-    plan = _check_memory(model, positive, negative if cfg > 1 else None, width, height, batch_size,
-                         prefix_cache == "on")
+    # The memory plan, made before the noise or anything else is allocated: a run that fits no placement (a
+    # 4096x4096 batch of 64 is within the widgets' limits and would otherwise grow until the OS kills the server)
+    # is refused here with the least memory it needs and what to change (model/planner.py).
+    plan = placement.plan_sampling(model, positive, negative if cfg > 1 else None, width, height, batch_size,
+                                   prefix_cache == "on")
     progress = bridge.Progress(len(sigmas) - 1)
     show_previews = bridge.previews_enabled()
 
@@ -171,14 +174,6 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     out = {key: latent_image[key] for key in ("noise_mask", "batch_index") if key in (latent_image or {})}
     out["samples"] = positive.latent_format.denormalize(result.latents.float()).cpu()
     return io.NodeOutput(out, ui={"qi21_report": [report]})
-
-
-def _check_memory(model, positive, negative, width, height, batch, prefix_cache: bool):
-    """The run's memory plan (model/planner.py via nodes/placement.py), made before the noise or anything else is
-    allocated: a run that fits no placement (a 4096x4096 batch of 64 is within the widgets' limits and would
-    otherwise grow until the OS kills the server) is refused here with the least memory it needs and what to
-    change."""
-    return placement.plan_sampling(model, positive, negative, width, height, batch, prefix_cache)
 
 
 def model_turbo_sigmas(model) -> torch.Tensor:
