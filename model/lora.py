@@ -383,12 +383,25 @@ class LowRankBranch:
                 self._plans[key] = (down.to(dtype), up.to(dtype))
         return self._plans[key]
 
+    def release(self) -> None:
+        """Drop the stacked copies (they follow the model's device; the host's model manager unloaded it)."""
+        self._plans = {}
+
     def __call__(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
         plan = self._plan(start, end, x.dtype, x.device)
         if plan is None:
             return None
         down, up = plan
         return F.linear(F.linear(x, down), up)
+
+
+def release_branches(model: torch.nn.Module) -> None:
+    """Free every LoRA branch's stacked device copy in `model` (called when the model is unloaded, so the copies
+    do not stay in VRAM while its weights are offloaded; the next call rebuilds them where the model is)."""
+    for module in model.modules():
+        for adapter in getattr(module, "adapters", ()):
+            if isinstance(adapter, LowRankBranch):
+                adapter.release()
 
 
 # -- applying --------------------------------------------------------------------------------------------------

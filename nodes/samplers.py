@@ -14,6 +14,7 @@ from ..model.latents import (
     sampling_size,
     target_size,
 )
+from ..model.lora import release_branches
 from ..model.sampling import initial_noise, sample
 from ..model.schedule import base_sigmas, literal_sigmas, turbo_sigmas
 from . import bridge, placement
@@ -161,7 +162,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     start = None if raw is None else positive.latent_format.normalize(raw)
     noise_mask = None if mask is None else latent_mask(mask, grid, batch_size)
     # -- memory plan (nodes/placement.py): load as planned, stream blocks / cache if planned, report plan and peak --
-    with placement.placed(model, plan, on_unload=lambda m: DEFAULT_STORE.evict_model(id(m))) as placed:
+    with placement.placed(model, plan, on_unload=_unloaded) as placed:
         result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise, negative=negative,
                         cfg=cfg, prefix_cache=prefix_cache == "on", keep_cache=keep_cache, callback=on_step,
                         check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
@@ -174,6 +175,12 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     out = {key: latent_image[key] for key in ("noise_mask", "batch_index") if key in (latent_image or {})}
     out["samples"] = positive.latent_format.denormalize(result.latents.float()).cpu()
     return io.NodeOutput(out, ui={"qi21_report": [report]})
+
+
+def _unloaded(model) -> None:
+    """ComfyUI unloaded the DiT: its kept prefix caches and its LoRA branches' device copies go with it."""
+    DEFAULT_STORE.evict_model(id(model))
+    release_branches(model)
 
 
 def model_turbo_sigmas(model) -> torch.Tensor:

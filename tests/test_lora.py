@@ -405,6 +405,23 @@ def test_a_lora_adds_no_second_copy_of_the_dit(lora_root):
     assert all(linear.adapters == () for linear in model.modules() if isinstance(linear, Linear))
 
 
+def test_unloading_releases_the_branches_device_copies(lora_root):
+    """When ComfyUI unloads a LoRA model, the sampler's unload hook frees the branches' stacked copies (they would
+    otherwise stay where the model ran while its weights are offloaded); the next run rebuilds them, same result."""
+    from qi21.nodes.samplers import _unloaded
+
+    model = QI21LoraLoader.execute(QI21ModelLoader.execute(gf.SINGLE["model"], "fp32")[0], tiny.SPEED_LORA_FILE,
+                                   1.0)[0]
+    cond = gf.synthetic_conditioning()
+    first = run_base(model, cond, keep_cache=False)
+    branches = [b for linear in model.modules() for b in getattr(linear, "adapters", ())]
+    assert branches and any(branch._plans for branch in branches)
+    _unloaded(model)
+    assert all(not branch._plans for branch in branches)
+    again = run_base(model, cond, keep_cache=False)
+    assert torch.equal(first[0], again[0])
+
+
 # -- refusals ------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def base_model(dit_pair):
