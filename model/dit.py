@@ -108,6 +108,40 @@ class Linear(nn.Module):
         return out
 
 
+def row_overlaps(segments, start: int, end: int):
+    """`(segment, first, last)` for each row segment (with `.start` / `.end`) that overlaps rows `[start, end)`,
+    `[first, last)` being the overlap in the segment's own rows."""
+    for seg in segments:
+        lo, hi = max(start, seg.start), min(end, seg.end)
+        if lo < hi:
+            yield seg, lo - seg.start, hi - seg.start
+
+
+class StoredLinear(Linear):
+    """A `Linear` whose weight stays in a stored format as row segments (GGUF blocks, comfy-kitchen quantized
+    tensors): each segment's tensors are parameters of their own, so `.to(device)` moves the stored bytes and the
+    resident bytes are the file's. Subclasses add segments and override `weight_rows` or `project`.
+
+    `weight` is a meta tensor of the logical shape and compute dtype (shapes and `out_features` keep working; reading
+    its values fails loudly), unless a subclass stores a real parameter under that name.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        nn.Module.__init__(self)  # not Linear.__init__: there is no dense weight to allocate
+        self.in_features = in_features
+        self._logical = torch.empty(out_features, in_features, dtype=dtype, device="meta")
+        self.segments: list = []
+        self.adapters: tuple = ()
+
+    def __getattr__(self, name: str):
+        if name == "weight" and "_logical" in self.__dict__ and "weight" not in self.__dict__.get("_parameters", {}):
+            return self.__dict__["_logical"]
+        return super().__getattr__(name)
+
+    def _pieces(self, start: int, end: int):
+        return row_overlaps(self.segments, start, end)
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm whose file weight is `scale - 1`: applied as `x * rsqrt(mean(x^2) + eps) * (w + 1)` in fp32."""
 

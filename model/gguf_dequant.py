@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .dit import Linear
+from .dit import StoredLinear
 
 #: GGUF types stored as plain floats: element dtype on load.
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -169,7 +169,7 @@ class Segment:
     name: str
 
 
-class GGUFLinear(Linear):
+class GGUFLinear(StoredLinear):
     """A `dit.Linear` whose weight stays in the file's GGUF types and is dequantized at each call.
 
     The weight is one or more row segments (a fused weight such as [q; k; v] may mix types, as "_K_M" files
@@ -180,17 +180,6 @@ class GGUFLinear(Linear):
     `weight` is a meta tensor of the logical shape and compute dtype (shapes and `out_features` keep working;
     anything that reads its values fails loudly); `weight_rows` gives the real values.
     """
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
-        nn.Module.__init__(self)  # not Linear.__init__: there is no dense weight to allocate
-        self.in_features = in_features
-        self._logical = torch.empty(out_features, in_features, dtype=dtype, device="meta")
-        self.segments: list[Segment] = []
-        self.adapters: tuple = ()  # Linear's: low-rank terms added to `rows`' output (LoRA)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self._logical
 
     def add_segment(self, qtype: str, data: torch.Tensor) -> None:
         """Append rows stored as `data` (see `Segment`); it becomes a parameter of this layer as it is."""
@@ -205,8 +194,7 @@ class GGUFLinear(Linear):
 
     def weight_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Weight rows `[start, end)` in `dtype`, freshly dequantized (or the stored rows when already `dtype`)."""
-        pieces = [self._segment_rows(seg, max(start, seg.start) - seg.start, min(end, seg.end) - seg.start, dtype)
-                  for seg in self.segments if max(start, seg.start) < min(end, seg.end)]
+        pieces = [self._segment_rows(seg, first, last, dtype) for seg, first, last in self._pieces(start, end)]
         if not pieces:
             return torch.empty(0, self.in_features, dtype=dtype, device=getattr(self, self.segments[0].name).device)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

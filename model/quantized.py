@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dit import Linear
+from .dit import Linear, StoredLinear, row_overlaps
 from .safetensors_io import CheckpointError, TensorInfo, parse_json_object
 
 INSTALL = ("Install it with `pip install \"comfy-kitchen>=0.2.31\"` (inside ComfyUI: with ComfyUI's own python; "
@@ -574,17 +574,14 @@ class _Segmented(nn.Module):
         return out
 
     def _pieces(self, start: int, end: int):
-        for seg in self.segments:
-            lo, hi = max(start, seg.start), min(end, seg.end)
-            if lo < hi:
-                yield seg, lo - seg.start, hi - seg.start
+        return row_overlaps(self.segments, start, end)
 
     def extra_repr(self) -> str:
         formats = ", ".join(dict.fromkeys(seg.fmt for seg in self.segments))
         return f"{tuple(self._logical.shape)}, quantized={formats}"
 
 
-class QuantLinear(_Segmented, Linear):
+class QuantLinear(_Segmented, StoredLinear):
     """A `dit.Linear` whose weight stays in its file formats: one row segment per file tensor (quantized, with its
     own scales, or float), run by comfy-kitchen's kernels segment by segment.
 
@@ -596,17 +593,8 @@ class QuantLinear(_Segmented, Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
-        nn.Module.__init__(self)  # not Linear.__init__: there is no dense weight to allocate
-        self.in_features = in_features
-        self._logical = torch.empty(out_features, in_features, dtype=dtype, device="meta")
-        self.segments: list[QSegment] = []
-        self.adapters: tuple = ()  # Linear's: low-rank terms added to `rows`' output (LoRA)
+        super().__init__(in_features, out_features, dtype)
         self.bias = None
-
-    def __getattr__(self, name: str):
-        if name == "weight" and "_logical" in self.__dict__ and "weight" not in self.__dict__.get("_parameters", {}):
-            return self.__dict__["_logical"]
-        return super().__getattr__(name)
 
     def project(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         pieces = [_project(seg.fmt, x, self._tensors(seg, first, last), seg.options)
