@@ -104,7 +104,7 @@ class Linear(nn.Module):
         for adapter in self.adapters:
             term = adapter(x, start, end)
             if term is not None:
-                out = out + term
+                out += term  # `out` is this call's own GEMM output: no second buffer
         return out
 
 

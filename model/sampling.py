@@ -13,7 +13,7 @@ latent dtype, the Euler update in fp32, the latents kept in the model's dtype be
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,13 +32,26 @@ class NonFiniteLatentsError(FloatingPointError):
 
 @dataclass(frozen=True)
 class StepInfo:
-    """Handed to the per-step callback: progress, interrupt checks and previews hook in there."""
+    """Handed to the per-step callback: progress, interrupt checks and previews hook in there. `latents` and
+    `denoised` are computed only when read (a progress bar needs neither; a preview needs one)."""
 
     step: int  # 0-based index of the step just finished
     total: int
     sigma: float
-    latents: torch.Tensor  # (B, 64, h, w) normalised latents after the step
-    denoised: torch.Tensor  # (B, 64, h, w) the model's clean-image estimate at this step, x - sigma * v
+    _after: torch.Tensor = field(repr=False)  # packed latents after the step
+    _before: torch.Tensor = field(repr=False)  # packed latents the step started from
+    _velocity: torch.Tensor = field(repr=False)
+    _grid: tuple[int, int] = field(repr=False)
+
+    @property
+    def latents(self) -> torch.Tensor:
+        """(B, 64, h, w) normalised latents after the step."""
+        return _unpack(self._after, self._grid)
+
+    @property
+    def denoised(self) -> torch.Tensor:
+        """(B, 64, h, w) the model's clean-image estimate at this step, x - sigma * v."""
+        return _unpack(self._before.float() - self.sigma * self._velocity.float(), self._grid)
 
 
 @dataclass(frozen=True)
@@ -234,8 +247,7 @@ def sample(
             watch.check(x, i)
             clock.stop(started)
             if callback is not None:
-                denoised = x_before.float() - sigmas[i].item() * v.float()
-                callback(StepInfo(i, steps, sigmas[i].item(), _unpack(x, grid), _unpack(denoised, grid)))
+                callback(StepInfo(i, steps, sigmas[i].item(), x, x_before, v, grid))
         watch.finish()
         succeeded = True
     finally:
