@@ -13,27 +13,14 @@ For each reference count it times, interleaving ours and diffusers' calls and ta
 """
 
 import argparse
-import importlib.util
 import statistics
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-
-def _import_pack():
-    """The repository as package `qi21`, through demo/pack_import.py loaded by its path (run as a script, Python
-    puts benchmarks/, not the repository, on sys.path)."""
-    path = Path(__file__).resolve().parents[1] / "demo" / "pack_import.py"
-    spec = importlib.util.spec_from_file_location("qi21_pack_import", path)
-    helper = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helper)
-    return helper.import_pack()
-
-
-_import_pack()
+import bench_pack  # noqa: E402,F401  (registers the repository as package `qi21`)
 from qi21.model.conditioning import Conditioning  # noqa: E402
 from qi21.model.dit import DiTConfig, PrefixInputs, QwenImage21DiT  # noqa: E402
 from qi21.model.dit_loading import convert_state_dict  # noqa: E402

@@ -14,7 +14,6 @@ CPU with a 4-block model and three simulated budgets (all resident, halfway, the
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import time
@@ -22,16 +21,7 @@ from pathlib import Path
 
 import torch
 
-
-def _import_pack():
-    path = Path(__file__).resolve().parents[1] / "demo" / "pack_import.py"
-    spec = importlib.util.spec_from_file_location("qi21_pack_import", path)
-    helper = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helper)
-    return helper.import_pack()
-
-
-_import_pack()
+import bench_pack  # noqa: E402,F401  (registers the repository as package `qi21`)
 from qi21.model.conditioning import Conditioning  # noqa: E402
 from qi21.model.dit import DiTConfig, QwenImage21DiT  # noqa: E402
 from qi21.model.memory import GIB  # noqa: E402

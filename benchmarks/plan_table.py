@@ -12,19 +12,8 @@ minus ComfyUI's 400 MiB reserve; 64 GiB of host RAM; the bf16 Qwen3-VL 8B text e
 """
 
 import argparse
-import importlib.util
-from pathlib import Path
 
-
-def _import_pack():
-    path = Path(__file__).resolve().parents[1] / "demo" / "pack_import.py"
-    spec = importlib.util.spec_from_file_location("qi21_pack_import", path)
-    helper = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helper)
-    return helper.import_pack()
-
-
-_import_pack()
+import bench_pack  # noqa: E402,F401  (registers the repository as package `qi21`)
 from qi21.model.dit import DiTConfig  # noqa: E402
 from qi21.model.memory import GIB  # noqa: E402
 from qi21.model.planner import (  # noqa: E402
