@@ -36,7 +36,9 @@ import torch
 import torch.nn as nn
 
 from .dit import Linear
-from .quantized_layers import FP8_DTYPES, INSTALL, ROW_AXIS, QuantEmbedding, QuantLinear, kitchen  # noqa: F401  (the layers are re-exported: loaders import them from here)
+
+# the layers are re-exported: the loaders import them from here
+from .quantized_layers import FP8_DTYPES, INSTALL, ROW_AXIS, QuantEmbedding, QuantLinear, kitchen  # noqa: F401
 from .safetensors_io import CheckpointError, TensorInfo, parse_json_object
 
 MAX_DESCRIPTION_BYTES = 64 * 1024  # a layer's JSON description is tens of bytes
