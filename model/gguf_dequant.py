@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .dit import StoredLinear
+from .linear import StoredLinear
 
 #: GGUF types stored as plain floats: element dtype on load.
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -170,7 +170,7 @@ class Segment:
 
 
 class GGUFLinear(StoredLinear):
-    """A `dit.Linear` whose weight stays in the file's GGUF types and is dequantized at each call.
+    """A `Linear` (model/linear.py) whose weight stays in the file's GGUF types and is dequantized at each call.
 
     The weight is one or more row segments (a fused weight such as [q; k; v] may mix types, as "_K_M" files
     do), each a parameter of its own in the file's bytes, so `.to(device)` moves the quantized data and the

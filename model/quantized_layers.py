@@ -1,4 +1,4 @@
-"""The layers of ComfyUI's per-layer quantized checkpoints: `QuantLinear` (a `dit.StoredLinear`, so LoRA adapters
+"""The layers of ComfyUI's per-layer quantized checkpoints: `QuantLinear` (a `linear.StoredLinear`, so LoRA adapters
 and the DiT's row-range calls work unchanged) and `QuantEmbedding`, each file tensor one segment in its stored
 dtype with its own scales, run through comfy-kitchen's kernels (imported lazily, on first use). What the files hold
 and how they are checked before any weight is read: `quantized.py`.
@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dit import StoredLinear, row_overlaps
+from .linear import StoredLinear, row_overlaps
 
 FP8_DTYPES = {"float8_e4m3fn": ("F8_E4M3", torch.float8_e4m3fn), "float8_e5m2": ("F8_E5M2", torch.float8_e5m2)}
 INSTALL = ("Install it with `pip install \"comfy-kitchen>=0.2.31\"` (inside ComfyUI: with ComfyUI's own python; "
@@ -134,7 +134,7 @@ class _Segmented(nn.Module):
 
 
 class QuantLinear(_Segmented, StoredLinear):
-    """A `dit.Linear` whose weight stays in its file formats: one row segment per file tensor (quantized, with its
+    """A `StoredLinear` whose weight stays in its file formats: one row segment per file tensor (quantized, with its
     own scales, or float), run by comfy-kitchen's kernels segment by segment.
 
     `project` (the frozen layer's output rows) is overridden; `rows`, `forward` and the LoRA `adapters` are
