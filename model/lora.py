@@ -5,7 +5,7 @@ What a LoRA file holds, per targeted Linear `W` (out x in): a down matrix `A` (r
 (out x rank) and optionally a scalar `alpha`. The layer becomes `W x + strength * alpha / rank * B (A x)`
 (`alpha / rank` = 1 without alpha), computed as a branch in the compute dtype next to the frozen weight, so
 bf16, fp16, fp32, fp8 and quantized weights all take it without requantization or a weight copy
-(`Linear.adapters`, model/dit.py). Key formats, the scale rule and what is refused: docs/lora.md.
+(`Linear.adapters`, model/linear.py). Key formats, the scale rule and what is refused: docs/lora.md.
 
 Names: a file names diffusers' modules (`transformer_blocks.N.attn.to_q`, ...), in one of the formats of
 `FORMATS`; `_file_plan` (dit_loading.py) says which rows of which of our Linears each of them is, so separate
