@@ -28,10 +28,11 @@ import torch
 from safetensors.torch import save_file
 
 import bench_dit  # a sibling (this folder is on sys.path when run as a script); imports the pack as `qi21`
-from qi21.model.dit import DiTConfig, QwenImage21DiT
-from qi21.model.dit_loading import _file_plan, load_dit
-from qi21.model.gguf_dequant import GGUFLinear
-from qi21.model.prefix_cache import PrefixKVCache
+from qi21.model.layers.gguf import GGUFLinear
+from qi21.model.loaders.dit import load_dit
+from qi21.model.loaders.dit_keys import file_plan
+from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
+from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 
 def random_model(layers: int) -> QwenImage21DiT:
@@ -51,7 +52,7 @@ def random_model(layers: int) -> QwenImage21DiT:
 def comfy_tensors(model: QwenImage21DiT) -> dict[str, torch.Tensor]:
     """ComfyUI's single-file keys: q/k/v split, [gate; up] fused."""
     state = model.state_dict()
-    return {key: part.contiguous() for name, keys in _file_plan(model.config, fused_mlp=True).items()
+    return {key: part.contiguous() for name, keys in file_plan(model.config, fused_mlp=True).items()
             for key, part in zip(keys, state[name].chunk(len(keys)))}
 
 

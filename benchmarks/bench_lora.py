@@ -3,7 +3,7 @@
 The scaled shape of bench_dit.py (heads of 128, width 1024, SwiGLU x3, ~75 text tokens, a 1024-token target,
 one reference of 1024 tokens; only the layer count is cut). The LoRA targets what LoRAs usually train: every
 block's to_q, to_k, to_v, to_out.0, img_mlp.gate_layer, img_mlp.proj and img_mlp.out (kohya keys with alpha),
-applied with model/lora.py as low-rank branches next to the frozen weights (no merge, no weight copy). Prefill
+applied with model/loaders/lora.py as low-rank branches next to the frozen weights (no merge, no weight copy). Prefill
 and cached step are timed interleaved (plain, LoRA, plain, ...); per rank it prints the ratio of the median
 wall-clock times, of the median process CPU times (with `--threads 1` the CPU time is the work done, whatever
 else the machine runs) and of the FLOPs.
@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 
 import bench_dit  # noqa: F401  (registers the repository as package `qi21`)
 from bench_dit import build_inputs, flops
-from qi21.model.dit import DiTConfig, QwenImage21DiT
-from qi21.model.lora import apply_lora
-from qi21.model.prefix_cache import PrefixKVCache
+from qi21.model.loaders.lora import apply_lora
+from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
+from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 MODULES = ("attn_to_q", "attn_to_k", "attn_to_v", "attn_to_out_0", "img_mlp_gate_layer", "img_mlp_proj",
            "img_mlp_out")

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 
 import bench_dit  # a sibling (this folder is on sys.path when run as a script); imports the pack as `qi21`
 from bench_gguf import comfy_tensors, random_model, resident_bytes
-from qi21.model.dit_loading import load_dit
-from qi21.model.prefix_cache import PrefixKVCache
+from qi21.model.loaders.dit import load_dit
+from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 BLOCK_LINEAR = re.compile(r"transformer_blocks\.\d+\.(attn\.to_[qkv]|attn\.to_out\.0|img_mlp\.gate_up|img_mlp\.out)"
                           r"\.weight")

@@ -15,9 +15,9 @@ import time
 import torch
 
 import bench_dit  # a sibling (this folder is on sys.path when run as a script); imports the pack as `qi21`
-from qi21.model.cache_store import PrefixCacheStore
-from qi21.model.sampling import initial_noise, sample
-from qi21.model.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
+from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.sampling.loop import initial_noise, sample
+from qi21.model.sampling.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
 from qi21.tests.oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop, reference_cache_bytes
 
 SIZE = (bench_dit.TARGET[1] * 16, bench_dit.TARGET[0] * 16)  # width, height in px

@@ -23,19 +23,13 @@ import torch
 
 import bench_pack  # noqa: E402,F401  (registers the repository as package `qi21`)
 from qi21.model.conditioning import Conditioning  # noqa: E402
-from qi21.model.dit import DiTConfig, QwenImage21DiT  # noqa: E402
-from qi21.model.memory import GIB  # noqa: E402
-from qi21.model.planner import (  # noqa: E402
-    Budget,
-    RunShape,
-    dit_weights,
-    least_memory,
-    plan_run,
-    sampling_phases,
-)
-from qi21.model.sampling import initial_noise, sample  # noqa: E402
-from qi21.model.schedule import turbo_sigmas  # noqa: E402
-from qi21.model.streaming import StreamedRun, place_layers  # noqa: E402
+from qi21.model.memory.estimate import GIB  # noqa: E402
+from qi21.model.memory.planner import Budget, RunShape, least_memory, plan_run, sampling_phases
+from qi21.model.memory.streaming import StreamedRun, place_layers  # noqa: E402
+from qi21.model.memory.weights import dit_weights
+from qi21.model.sampling.loop import initial_noise, sample  # noqa: E402
+from qi21.model.sampling.schedule import turbo_sigmas  # noqa: E402
+from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT  # noqa: E402
 
 TINY = DiTConfig(num_layers=4, num_heads=2, head_dim=64, context_in_dim=64, mlp_ratio=3, axes_dims_rope=(8, 28, 28))
 

@@ -13,8 +13,8 @@ import copy
 import torch
 
 import bench_gpu  # a sibling (this folder is on sys.path when run as a script); imports the pack as `qi21`
-from qi21.model.dit import DiTConfig, QwenImage21DiT
-from qi21.model.dit_loading import convert_state_dict
+from qi21.model.loaders.dit_keys import convert_state_dict
+from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
 
 
 def relative(a, b) -> float:

@@ -1,6 +1,6 @@
 """The memory planner's choices for the released model on common GPUs, as Markdown tables (pasted into the README).
 
-No GPU or weights needed: the planner works from sizes (model/planner.py). For each card, each workload at
+No GPU or weights needed: the planner works from sizes (model/memory/planner.py). For each card, each workload at
 1024x1024 (text-to-image, a one-reference edit, a three-reference edit of 1024x1024 references, a 75-token prompt,
 batch 1, cfg 1) and each DiT weight format (bf16; int8: one byte per block linear weight plus a per-row fp32
 scale), it prints the plan of every phase and the predicted device peak.
@@ -14,20 +14,16 @@ minus ComfyUI's 400 MiB reserve; 64 GiB of host RAM; the bf16 Qwen3-VL 8B text e
 import argparse
 
 import bench_pack  # noqa: E402,F401  (registers the repository as package `qi21`)
-from qi21.model.dit import DiTConfig  # noqa: E402
-from qi21.model.memory import GIB  # noqa: E402
-from qi21.model.planner import (  # noqa: E402
-    Budget,
+from qi21.model.memory.estimate import (
+    GIB,  # noqa: E402
     EncoderDims,
-    PlanError,
-    RunShape,
     VAEShape,
     encode_transient,
-    plan_layers,
-    plan_run,
-    synthetic_dit_weights,
     synthetic_encoder_weights,
 )
+from qi21.model.memory.planner import Budget, PlanError, RunShape, plan_layers, plan_run
+from qi21.model.memory.weights import synthetic_dit_weights
+from qi21.model.transformer.dit import DiTConfig  # noqa: E402
 
 WORKLOADS = (("t2i", 0), ("edit, 1 ref", 1), ("edit, 3 refs", 3))
 TEXT_TOKENS, TEMPLATE_TOKENS = 75, 64

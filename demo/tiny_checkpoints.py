@@ -51,10 +51,10 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # Qwen2Tokenizer's pre-tokenizer split
 
-from ..model.dit import DiTConfig, QwenImage21DiT
-from ..model.schedule import TURBO_SIGMAS
+from ..model.loaders.text_encoder import IMAGE_PROCESSOR_DEFAULTS, MAX_POSITIONS, RMS_NORM_EPS, ROPE_THETA, VISION_HEADS
+from ..model.sampling.schedule import TURBO_SIGMAS
 from ..model.text_encoder import SYSTEM_PROMPT
-from ..model.text_encoder_loading import IMAGE_PROCESSOR_DEFAULTS, MAX_POSITIONS, RMS_NORM_EPS, ROPE_THETA, VISION_HEADS
+from ..model.transformer.dit import DiTConfig, QwenImage21DiT
 from ..model.vae import QwenImage21VAE, QwenImage21VAEConfig
 
 #: The tiny DiT. Text width = the tiny text encoder's hidden size.

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .latents import RELEASED_LATENT_FORMAT, LatentFormat
-from .layout import SequenceLayout, build_layout
+from .transformer.layout import SequenceLayout, build_layout
 
 
 def _tensor_digest(hasher, tensor: torch.Tensor) -> None:

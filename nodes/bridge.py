@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ..model.planner import Budget
-from ..model.streaming import place_layers, resident_part
+from ..model.memory.planner import Budget
+from ..model.memory.streaming import place_layers, resident_part
 
 log = logging.getLogger("qi21")
 
@@ -164,7 +164,7 @@ def _bytes_on(tensors, device: torch.device) -> int:
 
 
 def memory_budget(device, modules=(), tensors=()) -> Budget:
-    """What a run may use, for the memory planner (model/planner.py).
+    """What a run may use, for the memory planner (model/memory/planner.py).
 
     On a GPU: what is free, plus what ComfyUI would evict for the run (every model it holds on that device, ours
     included), minus its reserve (`--reserve-vram`); without ComfyUI, `torch.cuda.mem_get_info`'s free memory plus
@@ -206,7 +206,7 @@ def on_device(module: torch.nn.Module, device: torch.device | None = None, offlo
     """Run `module` on the compute device (or `device`), under ComfyUI's model management when ComfyUI is there
     (`load_managed`): it frees other models for this one (and `memory_required` bytes of activations beside it),
     and can evict this one later for others. `streamed` indices of `layers` stay in host memory (the caller streams
-    them, model/streaming.py). With `offload_after` the module goes back to the offload device when done (the text
+    them, memory/streaming.py). With `offload_after` the module goes back to the offload device when done (the text
     encoder: 16 GiB nobody needs during sampling); under ComfyUI it stays loaded and ComfyUI evicts it as soon as
     another model (the DiT) needs the room, as it does with its own text encoders."""
     device = torch.device(device) if device is not None else compute_device()

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from ..model.checkpoint import WEIGHT_DTYPES
-from ..model.dit_loading import load_dit
-from ..model.planner import PLACEMENTS
-from ..model.text_encoder_loading import load_text_encoder
-from ..model.vae_loading import load_vae
+from ..model.loaders.checkpoint import WEIGHT_DTYPES
+from ..model.loaders.dit import load_dit
+from ..model.loaders.text_encoder import load_text_encoder
+from ..model.loaders.vae import load_vae
+from ..model.memory.planner import PLACEMENTS
 from . import bridge
 from .bridge import io
 from .placement import PLAN_TOOLTIP

@@ -1,11 +1,11 @@
-"""The LoRA loader: a LoRA file from ComfyUI's `loras` folder on a Qwen-Image 2.1 model (model/lora.py).
+"""The LoRA loader: a LoRA file from ComfyUI's `loras` folder on a Qwen-Image 2.1 model (model/loaders/lora.py).
 
 Like ComfyUI's LoraLoader it never changes the model it is given: it returns a copy that shares every weight
 with it (no second copy of the DiT) and runs the LoRA as a low-rank branch, so another branch of the graph
 that uses the model without the LoRA gets the model without the LoRA.
 """
 
-from ..model.lora import apply_lora
+from ..model.loaders.lora import apply_lora
 from . import bridge
 from .bridge import io
 from .loaders import _checked_path, _file_problem, _load

@@ -1,6 +1,6 @@
-"""The memory planner (model/planner.py) wired to the nodes: what each node asks before it moves a model, and what
+"""The memory planner (model/memory/) wired to the nodes: what each node asks before it moves a model, and what
 it does with the answer. The bridge supplies the figures (ComfyUI's free memory and VRAM mode, or torch's) and
-the loading; model/streaming.py does the streaming.
+the loading; model/memory/streaming.py does the streaming.
 
     plan_sampling(...)       the samplers' plan, or a PlanError before any weight moves (replaces the old estimate)
     placed(model, plan)      loads the DiT under the plan (resident part through ComfyUI, streamed blocks pinned on
@@ -13,21 +13,12 @@ from contextlib import contextmanager
 
 import torch
 
-from ..model.cache_store import DEFAULT_STORE
 from ..model.latents import latent_shape
-from ..model.planner import (
-    PLACEMENTS,
-    EncoderDims,
-    RunShape,
-    VAEShape,
-    dit_weights,
-    encode_transient,
-    layered_weights,
-    plan_decode,
-    plan_layers,
-    plan_run,
-)
-from ..model.streaming import LayerStreamer, StreamedRun
+from ..model.memory.estimate import EncoderDims, VAEShape, encode_transient
+from ..model.memory.planner import PLACEMENTS, RunShape, plan_decode, plan_layers, plan_run
+from ..model.memory.streaming import LayerStreamer, StreamedRun
+from ..model.memory.weights import dit_weights, layered_weights
+from ..model.sampling.cache_store import DEFAULT_STORE
 from . import bridge
 
 PLAN_TOOLTIP = ("Where the DiT's weights live while it samples. auto picks the fastest plan that fits the free VRAM: "

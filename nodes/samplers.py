@@ -1,11 +1,9 @@
-"""The Base and Turbo samplers: they own the DiT call and the prefix cache's whole lifetime (model/sampling.py)."""
+"""The Base and Turbo samplers: they own the DiT call and the prefix cache's whole lifetime (model/sampling/loop.py)."""
 
 import json
 
 import torch
 
-from ..model.cache_store import DEFAULT_STORE
-from ..model.img2img import check_denoise, check_latent, denoise_tail, fixed_tail, latent_mask
 from ..model.latents import (
     LATENT_CHANNELS,
     LATENT_TOKEN_PIXELS,
@@ -14,9 +12,11 @@ from ..model.latents import (
     sampling_size,
     target_size,
 )
-from ..model.lora import release_branches
-from ..model.sampling import initial_noise, sample
-from ..model.schedule import base_sigmas, literal_sigmas, turbo_sigmas
+from ..model.layers.lora import release_branches
+from ..model.sampling.cache_store import DEFAULT_STORE
+from ..model.sampling.img2img import check_denoise, check_latent, denoise_tail, fixed_tail, latent_mask
+from ..model.sampling.loop import initial_noise, sample
+from ..model.sampling.schedule import base_sigmas, literal_sigmas, turbo_sigmas
 from . import bridge, placement
 from .bridge import io
 from .types import CATEGORY, Conditioning, Model
@@ -147,7 +147,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
 
     # The memory plan, made before the noise or anything else is allocated: a run that fits no placement (a
     # 4096x4096 batch of 64 is within the widgets' limits and would otherwise grow until the OS kills the server)
-    # is refused here with the least memory it needs and what to change (model/planner.py).
+    # is refused here with the least memory it needs and what to change (model/memory/planner.py).
     plan = placement.plan_sampling(model, positive, negative if cfg > 1 else None, width, height, batch_size,
                                    prefix_cache == "on")
     progress = bridge.Progress(len(sigmas) - 1)

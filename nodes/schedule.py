@@ -1,9 +1,9 @@
 """The schedule as a core SIGMAS value, for ComfyUI's sigma nodes (SplitSigmas, FlipSigmas, ...) and the samplers'
 `sigmas` input."""
 
-from ..model.img2img import denoise_tail, fixed_tail
 from ..model.latents import DEFAULT_SIZE
-from ..model.schedule import base_sigmas, turbo_sigmas
+from ..model.sampling.img2img import denoise_tail, fixed_tail
+from ..model.sampling.schedule import base_sigmas, turbo_sigmas
 from .bridge import io
 from .types import CATEGORY
 from .validation import require, widget_problem

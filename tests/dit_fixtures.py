@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from diffusers import QwenImage21Transformer2DModel
 
-from qi21.model.dit import DiTConfig, PrefixInputs, QwenImage21DiT
-from qi21.model.dit_loading import convert_state_dict
-from qi21.model.layout import build_layout
+from qi21.model.loaders.dit_keys import convert_state_dict
+from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
+from qi21.model.transformer.layout import build_layout
 
 TINY = dict(num_layers=3, num_attention_heads=2, attention_head_dim=32, context_in_dim=48, mlp_ratio=3,
             axes_dims_rope=(4, 14, 14), in_channels=64, out_channels=64)

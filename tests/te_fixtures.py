@@ -33,7 +33,7 @@ from transformers.processing_utils import ProcessorMixin
 
 # The generated tokenizer lives with the tiny checkpoint set (one copy); re-exported for the tests that use it.
 from qi21.demo.tiny_checkpoints import FIRST_ADDED_ID, QWEN_ADDED_TOKENS, TOKENIZER_CORPUS, write_qwen2_tokenizer  # noqa: F401
-from qi21.model.text_encoder_loading import IMAGE_PROCESSOR_DEFAULTS
+from qi21.model.loaders.text_encoder import IMAGE_PROCESSOR_DEFAULTS
 
 #: Test setting (read by the tests only): a folder with the real Qwen2 tokenizer (vocab.json + merges.txt +
 #: tokenizer_config.json, e.g. ComfyUI's comfy/text_encoders/qwen25_tokenizer, or tokenizer.json, e.g. the

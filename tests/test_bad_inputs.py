@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
 import graph_fixtures as gf
-from qi21.model import sampling
-from qi21.model.cache_store import DEFAULT_STORE
-from qi21.model.dit import QwenImage21DiT
+from qi21.model.loaders.safetensors_io import CheckpointError
 from qi21.model.references import prepare_reference
-from qi21.model.safetensors_io import CheckpointError
+from qi21.model.sampling import loop as sampling
+from qi21.model.sampling.cache_store import DEFAULT_STORE
+from qi21.model.transformer.dit import QwenImage21DiT
 from qi21.model.vae import QwenImage21VAE
 from qi21.nodes import bridge, samplers
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
@@ -142,7 +142,7 @@ def _forbid(*args, **kwargs):
 def test_a_wrong_file_is_refused_by_name_before_any_weight_is_read(models_root, monkeypatch, kind, node, name, says):
     assert name in bridge.model_choices(kind) and node.validate_inputs(name, weight_dtype="fp32") is True
     # Headers decide: no tensor is read (safe_open), nothing is unpickled (torch.load, pickle).
-    for target in ("safetensors.safe_open", "qi21.model.text_encoder_loading.safe_open", "torch.load",
+    for target in ("safetensors.safe_open", "qi21.model.loaders.text_encoder.safe_open", "torch.load",
                    "pickle.load", "pickle.loads", "pickle.Unpickler"):
         monkeypatch.setattr(target, _forbid)
     built = []  # not even an empty (meta) model may be built before the file is refused
@@ -169,7 +169,7 @@ def test_a_load_failing_halfway_frees_the_half_built_model_while_the_error_is_re
     """ComfyUI holds the exception while it reports it; the half-filled model must not live that long."""
     failing_halfway = gf.safe_open_failing_at(5, OSError, "disk read error")
     monkeypatch.setattr("safetensors.safe_open", failing_halfway)
-    monkeypatch.setattr("qi21.model.text_encoder_loading.safe_open", failing_halfway)
+    monkeypatch.setattr("qi21.model.loaders.text_encoder.safe_open", failing_halfway)
     models = gf.live_models()
     with pytest.raises(OSError, match="disk read error") as error:
         node.execute(name, "fp32")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dit_fixtures import make_case, tiny_pair
-from qi21.model.prefix_cache import PrefixKVCache
+from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 TOL = 2e-5
 CASES = {

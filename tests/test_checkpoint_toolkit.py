@@ -1,4 +1,4 @@
-"""The checkpoint plumbing the three loaders share (`model/checkpoint.py`): the same files are found the same way,
+"""The checkpoint plumbing the three loaders share (`loaders/checkpoint.py`): the same files are found the same way,
 every JSON file of a checkpoint fails the same way (a CheckpointError naming it), shard indexes are checked
 against their shards, and `weight_dtype` means the same thing everywhere.
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qi21.model import checkpoint
-from qi21.model.checkpoint import CheckpointError, choose_dtype, count_indexed, find_weights, rename_keys
-from qi21.model.dit_loading import load_dit
-from qi21.model.text_encoder_loading import load_text_encoder
-from qi21.model.vae_loading import load_vae
+from qi21.model.loaders import checkpoint
+from qi21.model.loaders.checkpoint import CheckpointError, choose_dtype, count_indexed, find_weights, rename_keys
+from qi21.model.loaders.dit import load_dit
+from qi21.model.loaders.text_encoder import load_text_encoder
+from qi21.model.loaders.vae import load_vae
 
 # diffusers component folder -> its loader
 LOADERS = {"transformer": load_dit, "vae": load_vae, "text_encoder": load_text_encoder}

@@ -21,11 +21,11 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from dit_fixtures import make_case, reference_velocity
 from qi21.demo import run_workflows, tiny_checkpoints as tiny
-from qi21.model.dit_loading import load_dit
+from qi21.model.loaders.dit import load_dit
+from qi21.model.loaders.text_encoder import load_text_encoder
+from qi21.model.loaders.vae import load_vae
 from qi21.model.references import prepare_reference
-from qi21.model.schedule import TURBO_SIGMAS
-from qi21.model.text_encoder_loading import load_text_encoder
-from qi21.model.vae_loading import load_vae
+from qi21.model.sampling.schedule import TURBO_SIGMAS
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # whole model sets written, loaded and run through workflows

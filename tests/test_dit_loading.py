@@ -15,9 +15,10 @@ from safetensors.torch import save_file
 
 import graph_fixtures as gf
 from dit_fixtures import make_case, tiny_pair
-from qi21.model import dit_loading
-from qi21.model.dit_loading import load_dit
-from qi21.model.safetensors_io import CheckpointError
+from qi21.model.loaders import dit as dit_loading
+from qi21.model.loaders.dit import load_dit
+from qi21.model.loaders.dit_keys import infer_config
+from qi21.model.loaders.safetensors_io import CheckpointError
 
 
 def comfy_state_dict(reference, prefix=""):
@@ -169,7 +170,7 @@ def test_interrupted_load_leaves_nothing_behind(files, monkeypatch):
 
 
 def test_config_is_inferred_from_shapes(files):
-    from qi21.model.safetensors_io import read_header
+    from qi21.model.loaders.safetensors_io import read_header
 
     tensors, _ = read_header(files[0] / "qwen_image_2.1_bf16.safetensors")
-    assert dit_loading.infer_config(tensors) == files[1].config
+    assert infer_config(tensors) == files[1].config

@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qi21.model.checkpoint import CheckpointError
-from qi21.model.dit_loading import load_dit
-from qi21.model.safetensors_io import read_header
-from qi21.model.text_encoder_loading import load_text_encoder
-from qi21.model.vae_loading import load_vae
+from qi21.model.loaders.checkpoint import CheckpointError
+from qi21.model.loaders.dit import load_dit
+from qi21.model.loaders.safetensors_io import read_header
+from qi21.model.loaders.text_encoder import load_text_encoder
+from qi21.model.loaders.vae import load_vae
 
 
 @pytest.fixture(scope="module")

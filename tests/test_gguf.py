@@ -24,12 +24,13 @@ gguf = pytest.importorskip("gguf")
 
 import graph_fixtures as gf  # noqa: E402
 from dit_fixtures import make_case  # noqa: E402
-from qi21.model import gguf_loading  # noqa: E402
-from qi21.model.dit import DiTConfig, QwenImage21DiT  # noqa: E402
-from qi21.model.dit_loading import _file_plan, convert_state_dict, load_dit  # noqa: E402
-from qi21.model.gguf_dequant import FLOAT_TYPES, QUANT_TYPES, SUPPORTED_TYPES, GGUFLinear, dequantize  # noqa: E402
-from qi21.model.safetensors_io import CheckpointError  # noqa: E402
-from qi21.model.vae_loading import load_vae  # noqa: E402
+from qi21.model.layers.gguf import FLOAT_TYPES, QUANT_TYPES, SUPPORTED_TYPES, GGUFLinear, dequantize  # noqa: E402
+from qi21.model.loaders import gguf as gguf_loading  # noqa: E402
+from qi21.model.loaders.dit import load_dit  # noqa: E402
+from qi21.model.loaders.dit_keys import convert_state_dict, file_plan  # noqa: E402
+from qi21.model.loaders.safetensors_io import CheckpointError  # noqa: E402
+from qi21.model.loaders.vae import load_vae  # noqa: E402
+from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 # width 8 x 32 = 256 and text width 256, so every block weight fits a 256-element K-quant block
@@ -61,7 +62,7 @@ def comfy_tensors(model: QwenImage21DiT) -> dict[str, np.ndarray]:
     """The model under ComfyUI's file keys (q/k/v split, gate_up fused), fp32 numpy."""
     state = model.state_dict()
     out = {}
-    for name, keys in _file_plan(model.config, fused_mlp=True).items():
+    for name, keys in file_plan(model.config, fused_mlp=True).items():
         for key, part in zip(keys, state[name].float().chunk(len(keys))):
             out[key] = part.contiguous().numpy()
     return out
@@ -175,7 +176,7 @@ def velocity(model, mode="uncached"):
     with torch.no_grad():
         if mode == "uncached":
             return model(x, 0.6, prefixes)
-        from qi21.model.prefix_cache import PrefixKVCache
+        from qi21.model.transformer.prefix_cache import PrefixKVCache
 
         cache = PrefixKVCache()
         model(x, 0.9, prefixes, cache=cache, mode="prefill")
@@ -232,7 +233,7 @@ def test_every_tensor_and_the_output_equal_the_reference(files, qtype):
     assert model.source.layout == "gguf" and model.config == CONFIG
     assert model.source.variant == ("turbo" if qtype == "mix" else "base")
     reference = reference_tensors(path)
-    plan = _file_plan(CONFIG, fused_mlp=True)
+    plan = file_plan(CONFIG, fused_mlp=True)
     layers = gguf_layers(model)
     assert len(layers) == sum(1 for keys in plan.values() if reference[keys[0]][1].ndim == 2)
     rng = np.random.default_rng(3)
@@ -423,7 +424,7 @@ def test_gguf_is_imported_only_to_read_a_gguf_file():
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('h', {str(pack_import)!r})\n"
         "h = importlib.util.module_from_spec(spec); spec.loader.exec_module(h); h.import_pack()\n"
-        "import qi21.model.dit_loading, qi21.model.gguf_loading, qi21.model.gguf_dequant, qi21.nodes.loaders\n"
+        "import qi21.model.loaders.dit, qi21.model.loaders.gguf, qi21.model.layers.gguf, qi21.nodes.loaders\n"
         "assert 'gguf' not in sys.modules, 'gguf imported at start-up'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

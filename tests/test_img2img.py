@@ -10,9 +10,9 @@ import graph_fixtures as gf
 from dit_fixtures import tiny_pair
 from oracle import TURBO_SCHEDULER, diffusers_loop
 from qi21.model.conditioning import Conditioning
-from qi21.model.img2img import latent_mask
-from qi21.model.sampling import initial_noise, sample
-from qi21.model.schedule import base_sigmas, literal_sigmas, turbo_sigmas
+from qi21.model.sampling.img2img import latent_mask
+from qi21.model.sampling.loop import initial_noise, sample
+from qi21.model.sampling.schedule import base_sigmas, literal_sigmas, turbo_sigmas
 from qi21.nodes.encode import QI21VAEEncode
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 from qi21.nodes.schedule import QI21Sigmas
@@ -209,7 +209,7 @@ def test_bad_sampler_inputs_name_the_problem(graph, extra, message):
 def test_vae_encode_equals_diffusers_and_decodes():
     from diffusers import AutoencoderKLQwenImage21
 
-    from qi21.model.vae_loading import vae_from_state_dict
+    from qi21.model.loaders.vae import vae_from_state_dict
     from qi21.nodes.decode import QI21VAEDecode
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""LoRA (model/lora.py, nodes/lora.py): every key format against diffusers' transformer with PEFT, on Base and
+"""LoRA (model/loaders/lora.py, nodes/lora.py): every key format against diffusers' transformer with PEFT, on Base and
 Turbo, at two strengths and chained; the prefix cache knows the LoRA; no second copy of the DiT; every refusal.
 
 The oracle: tiny LoRA files are written by the tests in each key format; diffusers' `QwenImage21Transformer2DModel`
@@ -23,15 +23,15 @@ import graph_fixtures as gf
 from dit_fixtures import make_case, reference_velocity, tiny_pair
 from oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop
 from qi21.demo import tiny_checkpoints as tiny
-from qi21.model.cache_store import PrefixCacheStore
-from qi21.model.checkpoint import CheckpointError
 from qi21.model.conditioning import Conditioning
-from qi21.model.dit import Linear
-from qi21.model.dit_loading import load_dit
-from qi21.model.lora import LoraError, apply_lora, lora_set, read_lora
-from qi21.model.prefix_cache import PrefixKVCache
-from qi21.model.sampling import initial_noise, sample
-from qi21.model.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
+from qi21.model.layers.linear import Linear
+from qi21.model.loaders.checkpoint import CheckpointError
+from qi21.model.loaders.dit import load_dit
+from qi21.model.loaders.lora import LoraError, apply_lora, lora_set, read_lora
+from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.sampling.loop import initial_noise, sample
+from qi21.model.sampling.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
+from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.nodes import bridge
 from qi21.nodes.loaders import QI21ModelLoader
 from qi21.nodes.lora import QI21LoraLoader

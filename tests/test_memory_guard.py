@@ -6,8 +6,8 @@ import re
 import pytest
 
 import graph_fixtures as gf
-from qi21.model.dit import DiTConfig
-from qi21.model.memory import GIB, estimate_run
+from qi21.model.memory.estimate import GIB, estimate_run
+from qi21.model.transformer.dit import DiTConfig
 from qi21.nodes import bridge, samplers
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 

@@ -1,4 +1,4 @@
-"""The memory planner (model/planner.py) and its use by the nodes (nodes/placement.py): predictions per phase, the
+"""The memory planner (model/memory/) and its use by the nodes (nodes/placement.py): predictions per phase, the
 plan chosen for a budget, refusals before any weight moves, and simulated budgets driving real (tiny) runs on the
 CPU: streamed blocks, a host-side cache, a tiled or one-pass decode."""
 
@@ -6,26 +6,22 @@ import pytest
 import torch
 
 import graph_fixtures as gf
-from qi21.model.cache_store import DEFAULT_STORE
-from qi21.model.dit import DiTConfig
-from qi21.model.memory import GIB, estimate_run
-from qi21.model.planner import (
+from qi21.model.memory.estimate import GIB, VAEShape, decode_transient, estimate_run, synthetic_encoder_weights
+from qi21.model.memory.planner import (
     DEVICE_OVERHEAD,
     Budget,
     PlanError,
     RunShape,
-    VAEShape,
-    decode_transient,
-    dit_weights,
     least_memory,
     plan_decode,
     plan_layers,
     plan_run,
     sampling_phases,
     spread,
-    synthetic_dit_weights,
-    synthetic_encoder_weights,
 )
+from qi21.model.memory.weights import dit_weights, synthetic_dit_weights
+from qi21.model.sampling.cache_store import DEFAULT_STORE
+from qi21.model.transformer.dit import DiTConfig
 from qi21.nodes import bridge, placement
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader
@@ -260,7 +256,8 @@ def test_big_decodes_that_fit_run_in_one_pass(models, monkeypatch):
 
 
 def test_the_text_encoder_node_streams_under_a_tight_budget_and_encodes_the_same(models_root, monkeypatch):
-    from qi21.model.planner import EncoderDims, encode_transient, layered_weights
+    from qi21.model.memory.estimate import EncoderDims, encode_transient
+    from qi21.model.memory.weights import layered_weights
     from qi21.nodes.conditioning import QI21TextEncode
 
     encoder = gf.load("text_encoder")["text_encoder"]
@@ -322,8 +319,8 @@ def test_the_bridge_budget_on_a_cpu_counts_what_the_model_already_holds(models, 
 
 
 def test_the_kept_cache_store_follows_the_planners_figure():
-    from qi21.model.cache_store import PrefixCacheStore
-    from qi21.model.prefix_cache import PrefixKVCache
+    from qi21.model.sampling.cache_store import PrefixCacheStore
+    from qi21.model.transformer.prefix_cache import PrefixKVCache
 
     store = PrefixCacheStore(budget_bytes=None)
     owner = torch.nn.Linear(1, 1)

@@ -41,12 +41,13 @@ from comfy_kitchen.tensor import (  # noqa: E402
 import graph_fixtures as gf  # noqa: E402
 from dit_fixtures import make_case  # noqa: E402
 from qi21.demo import tiny_checkpoints as tiny  # noqa: E402
-from qi21.model import quantized  # noqa: E402
-from qi21.model.dit import Linear  # noqa: E402
-from qi21.model.dit_loading import load_dit  # noqa: E402
-from qi21.model.safetensors_io import CheckpointError  # noqa: E402
-from qi21.model.schedule import TURBO_SIGMAS  # noqa: E402
-from qi21.model.text_encoder_loading import load_text_encoder  # noqa: E402
+from qi21.model.layers import kitchen as kitchen_layers  # noqa: E402
+from qi21.model.layers.linear import Linear  # noqa: E402
+from qi21.model.loaders import kitchen as quantized  # noqa: E402
+from qi21.model.loaders.dit import load_dit  # noqa: E402
+from qi21.model.loaders.safetensors_io import CheckpointError  # noqa: E402
+from qi21.model.loaders.text_encoder import load_text_encoder  # noqa: E402
+from qi21.model.sampling.schedule import TURBO_SIGMAS  # noqa: E402
 
 GROUP = 64  # ConvRot block (a power of 4 dividing the tiny DiT's 64- and 192-wide inputs)
 TE_GROUP = 16  # the tiny text encoder's linears take 16 or 32 inputs
@@ -181,7 +182,7 @@ def test_every_format_matches_its_dequantized_model_and_keeps_the_file_bytes(tmp
     path, twin, tensors = write_dit(tmp_path, "qwen_image_2.1_int8_convrot.safetensors", kind, where, prefix)
     model, reference = load_dit(path), load_dit(twin)
     assert model.compute_dtype == torch.float32 and model.source.quantized
-    assert isinstance(model.blocks[0].qkv, quantized.QuantLinear)
+    assert isinstance(model.blocks[0].qkv, kitchen_layers.QuantLinear)
     assert type(model.modulation) is Linear and model.modulation.weight.dtype == torch.float32  # kept as stored
     assert parameter_bytes(model) == payload(tensors)  # nothing upcast, nothing left out
     if kind == "float8_e5m2":
@@ -245,7 +246,7 @@ def test_bf16_layers_stay_bf16_and_base_and_turbo_come_from_the_name(tmp_path):
 
 
 def test_a_lora_runs_on_a_quantized_model(tmp_path, tiny_models):
-    from qi21.model.lora import apply_lora
+    from qi21.model.loaders.lora import apply_lora
 
     path, _, _ = write_dit(tmp_path, "qwen_image_2.1_int8_convrot.safetensors", "int8_convrot")
     model = load_dit(path)
@@ -257,7 +258,7 @@ def test_a_lora_runs_on_a_quantized_model(tmp_path, tiny_models):
 def test_own_fp8_option_uses_the_same_fp8_linear_and_the_plain_path_without_kitchen(tiny_models, monkeypatch):
     model = load_dit(tiny_models["dit"], weight_dtype="fp8_e4m3fn")
     qkv = model.blocks[0].qkv
-    assert isinstance(qkv, quantized.QuantLinear) and qkv.segments[0].fmt == "float8_e4m3fn"
+    assert isinstance(qkv, kitchen_layers.QuantLinear) and qkv.segments[0].fmt == "float8_e4m3fn"
     assert qkv.weight.dtype == torch.float8_e4m3fn  # the single segment's data is the layer's `weight`
     monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # as if not installed
     plain = load_dit(tiny_models["dit"], weight_dtype="fp8_e4m3fn")
@@ -296,10 +297,10 @@ def test_text_encoder_formats_match_their_dequantized_model(tmp_path, tiny_model
     encoder = load_text_encoder(path, tokenizer_dir=tiny_models["tokenizer"])
     reference = load_text_encoder(twin, tokenizer_dir=tiny_models["tokenizer"])
     language = encoder.model.language_model
-    assert isinstance(language.layers[0].mlp.down_proj, quantized.QuantLinear)
+    assert isinstance(language.layers[0].mlp.down_proj, kitchen_layers.QuantLinear)
     assert type(encoder.model.visual.blocks[0].attn.qkv) is torch.nn.Linear  # the vision tower stays float
     if kind == "int8_convrot":
-        assert isinstance(language.embed_tokens, quantized.QuantEmbedding)
+        assert isinstance(language.embed_tokens, kitchen_layers.QuantEmbedding)
     assert encoder.dtype == torch.float32 and encoder.device.type == "cpu"
     assert parameter_bytes(encoder.model) == payload(tensors, lambda key: bool(LOADED_TE.match(key)))
     bound = 0.03
@@ -360,8 +361,8 @@ def test_whole_graph_on_an_int8_dit_and_a_w4a8_text_encoder(quantized_root):
     model = QI21ModelLoader.execute("qwen_image_2.1_turbo_int8_convrot.safetensors", "default")[0]
     encoder = QI21TextEncoderLoader.execute("qwen3vl_8b_w4a8.safetensors", "default")[0]
     vae = QI21VAELoader.execute(tiny.VAE_FILE, "default")[0]
-    assert model.source.variant == "turbo" and isinstance(model.blocks[0].gate_up, quantized.QuantLinear)
-    assert isinstance(encoder.model.language_model.layers[0].self_attn.q_proj, quantized.QuantLinear)
+    assert model.source.variant == "turbo" and isinstance(model.blocks[0].gate_up, kitchen_layers.QuantLinear)
+    assert isinstance(encoder.model.language_model.layers[0].self_attn.q_proj, kitchen_layers.QuantLinear)
     positive = QI21TextEncode.execute(encoder, "a watercolour fox", None)[0]
     out = QI21TurboSampler.execute(model, positive, 7, 256, 256, 1)
     latent, report = out[0], out.ui["qi21_report"][0]
@@ -531,7 +532,7 @@ def test_dequantized_rows_match_comfy_kitchen_for_every_format():
         options = {"full_precision": False, "convrot": description.get("convrot", False),
                    "convrot_groupsize": description.get("convrot_groupsize", 256),
                    "group_size": description.get("group_size", 16), "quant_group_size": 64, "linear_dtype": "int4"}
-        layer = quantized.QuantLinear(128, 48, torch.float32)
+        layer = kitchen_layers.QuantLinear(128, 48, torch.float32)
         layer.add_segment(fmt, roles, options)
         torch.testing.assert_close(layer.weight_rows(5, 29, torch.float32), dense[5:29], rtol=0, atol=1e-6)
         x = torch.randn(3, 128)

@@ -17,7 +17,7 @@ from PIL import Image
 
 import graph_fixtures as gf
 from qi21.model.pipeline import encode_prompt
-from qi21.model.sampling import initial_noise
+from qi21.model.sampling.loop import initial_noise
 from qi21.model.text_encoder import MAX_ROPE_POSITIONS, rope_positions
 from qi21.nodes import NODES, bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode

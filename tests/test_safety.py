@@ -110,7 +110,8 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
 def test_weights_load_only_through_safetensors():
     """Every place that reads weights uses safetensors' lazy reader; nothing calls torch.load or unpickles."""
     readers = [p for p in SHIPPED if "safe_open" in p.read_text()]
-    assert {p.name for p in readers} >= {"dit_loading.py", "vae_loading.py", "text_encoder_loading.py"}
+    assert {str(p.relative_to(ROOT)) for p in readers} >= {"model/loaders/dit.py", "model/loaders/vae.py",
+                                                         "model/loaders/text_encoder.py"}
 
 
 def test_comfyignore_keeps_dev_files_out_of_the_archive():

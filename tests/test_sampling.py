@@ -8,11 +8,11 @@ import torch
 
 import graph_fixtures as gf
 from oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop
-from qi21.model.cache_store import PrefixCacheStore
 from qi21.model.conditioning import Conditioning
-from qi21.model.prefix_cache import PrefixKVCache
-from qi21.model.sampling import initial_noise, sample
-from qi21.model.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
+from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.sampling.loop import initial_noise, sample
+from qi21.model.sampling.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
+from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 WIDTH, HEIGHT = 512, 768  # latent 48 x 32 (w x h)
 LATENT = (HEIGHT // 16, WIDTH // 16)
@@ -92,7 +92,7 @@ def test_teacher_forced_replay_cached_velocity_equals_uncached(dit_pair):
 
 
 def type_prefix(cond):
-    from qi21.model.dit import PrefixInputs
+    from qi21.model.transformer.dit import PrefixInputs
 
     return PrefixInputs(layout=cond.layout(LATENT), text=cond.text, references=cond.references)
 
@@ -215,7 +215,7 @@ def test_report_has_the_contract_keys(dit_pair):
 
 def test_nan_latents_stop_with_the_step_named(dit_pair, monkeypatch):
     _, ours = dit_pair
-    from qi21.model import sampling
+    from qi21.model.sampling import loop as sampling
 
     real_step, calls = sampling.euler_step, []
 

@@ -8,7 +8,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from qi21.model.latents import latent_tokens, sampling_size
-from qi21.model.schedule import (
+from qi21.model.sampling.schedule import (
     BASE_CONFIG,
     TURBO_SIGMAS,
     BaseScheduleConfig,

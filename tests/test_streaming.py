@@ -1,4 +1,4 @@
-"""Weight streaming and the host-side prefix cache (model/streaming.py) on the CPU, where the device is the host and
+"""Weight streaming and the host-side prefix cache (model/memory/) on the CPU, where the device is the host and
 the same code path runs synchronously: a streamed run must give bit-identical latents to a resident one."""
 
 import copy
@@ -7,20 +7,15 @@ import pytest
 import torch
 
 from dit_fixtures import tiny_pair
-from qi21.model.cache_store import PrefixCacheStore
 from qi21.model.conditioning import Conditioning
-from qi21.model.lora import _clone_tree
-from qi21.model.planner import dit_weights
-from qi21.model.prefix_cache import PrefixKVCache
-from qi21.model.sampling import initial_noise, sample
-from qi21.model.schedule import turbo_sigmas
-from qi21.model.streaming import (
-    HostPrefixKVCache,
-    LayerStreamer,
-    StreamedRun,
-    place_layers,
-    resident_part,
-)
+from qi21.model.loaders.lora import _clone_tree
+from qi21.model.memory.host_cache import HostPrefixKVCache
+from qi21.model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
+from qi21.model.memory.weights import dit_weights
+from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.sampling.loop import initial_noise, sample
+from qi21.model.sampling.schedule import turbo_sigmas
+from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 WIDTH, HEIGHT = 128, 96
 
@@ -164,7 +159,7 @@ def test_new_cache_follows_the_plan(model):
 
 def test_gguf_weights_stream_as_stored_and_run_bit_identically(tmp_path):
     pytest.importorskip("gguf")
-    from qi21.model.dit_loading import load_dit
+    from qi21.model.loaders.dit import load_dit
     from test_gguf import comfy_tensors, k_m_mix, random_model, velocity, write_gguf
 
     path = write_gguf(tmp_path / "qwen_image_2.1-Q4_K_M.gguf", comfy_tensors(random_model()), k_m_mix, seed=3)

@@ -25,10 +25,10 @@ from diffusers import QwenImage21Pipeline
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 from PIL import Image
 
+from qi21.model.loaders.safetensors_io import CheckpointError
+from qi21.model.loaders.text_encoder import config_from_shapes, find_tokenizer_dir, load_processor, load_text_encoder
 from qi21.model.references import MIN_VLM_PIXELS, prepare_reference, reference_size
-from qi21.model.safetensors_io import CheckpointError
 from qi21.model.text_encoder import SYSTEM_PROMPT, SYSTEM_TURN, prompt_text
-from qi21.model.text_encoder_loading import config_from_shapes, find_tokenizer_dir, load_processor, load_text_encoder
 from te_fixtures import (
     QWEN_ADDED_TOKENS,
     REAL_TOKENIZER_ENV,

@@ -271,7 +271,7 @@ def test_a_different_front_end_api_gives_one_warning_and_no_error(sandbox, scena
 # ----------------------------------------------------------------------------- the run report (web/qi21_report.js)
 
 GIB = 1024**3
-#: A report as nodes/samplers.py returns it (model/sampling.py's keys), a kept-cache hit on a GPU.
+#: A report as nodes/samplers.py returns it (model/sampling/loop.py's keys), a kept-cache hit on a GPU.
 HIT = {"prefix_tokens": 4171, "target_tokens": 4096, "batch": 1, "steps": 8, "cache": "hit",
        "cache_bytes": 4171 * MIB // 2, "cache_device": "cuda:0", "prefill_seconds": None, "step_seconds": 0.1612}
 #: A miss with notes, as a CPU run with a floored size and an unused negative prompt reports it.

@@ -42,6 +42,7 @@ from transformers import Qwen2Tokenizer, Qwen3VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
+from ..text_encoder import QwenImageTextEncoder
 from .checkpoint import (
     FILE_DTYPES,
     CheckpointError,
@@ -57,7 +58,6 @@ from .checkpoint import (
     read_weight_headers,
     rename_keys,
 )
-from .text_encoder import QwenImageTextEncoder
 
 log = logging.getLogger(__name__)
 
@@ -345,8 +345,8 @@ def load_text_encoder(path, weight_dtype="default", device="cpu", tokenizer_dir=
     path = Path(path)
     infos, metadata = read_weight_headers(weights)
     quant = None
-    if quantization_marker(infos, metadata) is not None:  # a ComfyUI quantized file (model/quantized.py)
-        from .quantized import plan_quantization  # comfy-kitchen is imported only for quantized files
+    if quantization_marker(infos, metadata) is not None:  # a ComfyUI quantized file (model/loaders/kitchen.py)
+        from .kitchen import plan_quantization  # comfy-kitchen is imported only for quantized files
 
         with WeightReader(infos) as blobs:
             quant = plan_quantization(infos, metadata, blobs.read, path.name, QUANTIZED_INSTEAD,

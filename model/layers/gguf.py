@@ -170,7 +170,7 @@ class Segment:
 
 
 class GGUFLinear(StoredLinear):
-    """A `Linear` (model/linear.py) whose weight stays in the file's GGUF types and is dequantized at each call.
+    """A `Linear` (model/layers/linear.py) whose weight stays in the file's GGUF types and is dequantized at each call.
 
     The weight is one or more row segments (a fused weight such as [q; k; v] may mix types, as "_K_M" files
     do), each a parameter of its own in the file's bytes, so `.to(device)` moves the quantized data and the

@@ -20,18 +20,17 @@ compute stream), and the compute waits for B's copy (an event recorded on the si
 
 The hooks swap tensors in the running module's own `_parameters` / `_buffers` entries and put the host ones back
 afterwards; the Parameter objects themselves are never changed while a forward runs, so a LoRA copy of the model
-(model/lora.py: new module objects sharing the Parameters) is not affected by a streamer attached to the original.
+(loaders/lora.py: new module objects sharing the Parameters) is not affected by a streamer attached to the original.
 On a CPU the same code runs with the device equal to the host (copies are synchronous): that is how the tests show
 that a streamed run gives bit-identical latents to a resident one. Numerics are untouched: a copy is exact.
 """
 
-import weakref
-
 import torch
 from torch import nn
 
-from .planner import SLOT_ALIGN, slot_layout
-from .prefix_cache import LayerKV, PrefixKVCache
+from ..transformer.prefix_cache import PrefixKVCache
+from .host_cache import HostPrefixKVCache, release_cache_slots
+from .slots import SLOT_ALIGN, STREAM_SLOTS, SlotRing, slot_layout
 
 
 def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -109,79 +108,15 @@ def resident_part(root: nn.Module, layers, streamed) -> nn.Module:
     return nn.ModuleList(parts)
 
 
-class _Copier:
-    """Copies into device slots: on a side CUDA stream ordered by events, or synchronously elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def now(self):
-        """An event at the compute stream's current position (None off CUDA)."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def copy(self, pairs, after=()):
-        """`dst.copy_(src)` for each pair once every event in `after` has passed; returns the 'done' event."""
-        if not self.cuda:
-            for dst, src in pairs:
-                dst.copy_(src)
-            return None
-        with torch.cuda.stream(self.stream):
-            for event in after:
-                if event is not None:
-                    self.stream.wait_event(event)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return done
-
-    def wait(self, event) -> None:
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-
-    def drain(self) -> None:
-        """Let the compute stream (and so the allocator's reuse of anything freed after this) follow every copy."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-
-class _Ring:
-    """Two (or more) slots cycling through a sequence of items: which item each holds and when its copy is done."""
-
-    def __init__(self, count: int):
-        self.owner = [None] * count
-        self.ready = [None] * count
-        self.used = [0] * count
-        self.clock = 0
-
-    def find(self, item):
-        return self.owner.index(item) if item in self.owner else None
-
-    def victim(self, keep) -> int:
-        """A slot to refill: an empty one, else the least recently used one that is not `keep`."""
-        choices = [s for s in range(len(self.owner)) if s != keep]
-        return min(choices, key=lambda s: (self.owner[s] is not None, self.used[s]))
-
-    def touch(self, slot: int) -> None:
-        self.clock += 1
-        self.used[slot] = self.clock
-
-
 class LayerStreamer:
-    """Streams the weights of `layers[i]`, i in `streamed`, through two device slots while the model runs.
+    """Streams the weights of `layers[i]`, i in `streamed`, through `STREAM_SLOTS` device slots while the model runs.
 
     Use as a context manager around the forward passes (one sampling run): entering allocates the slots and hooks
     the streamed layers; leaving puts every layer back on its host tensors, waits for the copies in flight and
     frees the slots. The layers must already be in host memory (`place_layers`).
     """
 
-    def __init__(self, layers, streamed, device, slots: int = 2):
+    def __init__(self, layers, streamed, device, slots: int = STREAM_SLOTS):
         self.layers = list(layers)
         self.streamed = tuple(sorted(set(int(i) for i in streamed)))
         if any(not 0 <= i < len(self.layers) for i in self.streamed):
@@ -193,7 +128,6 @@ class LayerStreamer:
         self._swapped: dict[int, list] = {}
         self._entries: dict[int, list] = {}
         self._buffers = None
-        self._copier = None
         self._ring = None
 
     # -- lifetime ----------------------------------------------------------------------------------------------
@@ -207,8 +141,7 @@ class LayerStreamer:
             offsets, _ = slot_layout(tensors)
             self._entries[i] = [(*entry, t, off) for entry, t, off in zip(entries, tensors, offsets)]
         size = max(slot_layout([e[3] for e in entries])[1] for entries in self._entries.values())
-        self._copier = _Copier(self.device)
-        self._ring = _Ring(self.slot_count)
+        self._ring = SlotRing(self.slot_count, self.device, self._slot_copies)
         self._buffers = [torch.empty(max(size, SLOT_ALIGN), dtype=torch.uint8, device=self.device)
                          for _ in range(self.slot_count)]
         for i in self.streamed:
@@ -226,9 +159,9 @@ class LayerStreamer:
         self._handles = []
         for i in list(self._swapped):
             self._restore(i)
-        if self._copier is not None:
-            self._copier.drain()
-        self._buffers = self._copier = self._ring = None
+        if self._ring is not None:
+            self._ring.drain()
+        self._buffers = self._ring = None
         self._entries = {}
 
     # -- hooks -------------------------------------------------------------------------------------------------
@@ -250,25 +183,13 @@ class LayerStreamer:
         position = self.streamed.index(index)
         return self.streamed[(position + 1) % len(self.streamed)]
 
-    def _fetch(self, index: int, keep) -> int:
-        ring, copier = self._ring, self._copier
-        slot = ring.victim(keep)
-        buffer = self._buffers[slot]
-        pairs = [(_view(buffer, t, off), t) for _, _, _, t, off in self._entries[index]]
-        # the slot's previous layer was read by compute enqueued before now: the copy waits for that to finish
-        ring.ready[slot] = copier.copy(pairs, after=(copier.now(),))
-        ring.owner[slot] = index
-        ring.touch(slot)
+    def _slot_copies(self, index: int, slot: int):
         self.copies += 1
-        return slot
+        buffer = self._buffers[slot]
+        return [(_view(buffer, t, off), t) for _, _, _, t, off in self._entries[index]]
 
     def _bring(self, index: int) -> None:
-        ring = self._ring
-        slot = ring.find(index)
-        if slot is None:
-            slot = self._fetch(index, keep=None)
-        ring.touch(slot)
-        self._copier.wait(ring.ready[slot])
+        slot = self._ring.acquire(index, following=self._next_after(index))
         buffer = self._buffers[slot]
         swapped = []
         for sub, kind, name, host, off in self._entries[index]:
@@ -281,9 +202,6 @@ class LayerStreamer:
                 sub._buffers[name] = view
             swapped.append((sub, kind, name, original))
         self._swapped[index] = swapped
-        following = self._next_after(index)
-        if following != index and ring.find(following) is None:
-            self._fetch(following, keep=slot)
 
     def _restore(self, index: int) -> None:
         for sub, kind, name, original in self._swapped.pop(index, ()):
@@ -298,120 +216,6 @@ def _view(buffer: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor
     """`like`'s shape and dtype over `buffer[offset:]` (a byte buffer)."""
     nbytes = like.numel() * like.element_size()
     return buffer[offset : offset + nbytes].view(like.dtype).view(like.shape)
-
-
-# -- the prefix cache in host memory ---------------------------------------------------------------------------------
-class HostPrefixKVCache(PrefixKVCache):
-    """A `PrefixKVCache` whose payload lives in host memory (pinned for a GPU) and is streamed in per layer.
-
-    The prefill copies each layer's prefix keys and values out to the host as the block computes them; a cached
-    step reads layer l from one of two device slots, filled on a side stream while layer l - 1 ran (layer 0 of the
-    next step is fetched while the last layer runs). `device` reports where the payload is (the host), and
-    `to()` keeps it there: the store keeps it in host memory between runs.
-    """
-
-    def __init__(self, device):
-        super().__init__()
-        self.compute_device = torch.device(device)
-        self.copies = 0
-        self._slots = None
-        self._ring = None
-        self._copier = None
-        self._written = {}
-
-    def allocate(self, prefix_lens, layers: int, heads: int, head_dim: int, dtype, device) -> None:
-        self.free()
-        self.compute_device = torch.device(device)
-        self.prefix_lens = tuple(int(p) for p in prefix_lens)
-        pin = self.compute_device.type == "cuda"
-        self.kv = [torch.empty(layers, 2, p, heads, head_dim, dtype=dtype, device="cpu", pin_memory=pin)
-                   for p in self.prefix_lens]
-
-    def layer_kv(self, layer: int) -> "HostLayerKV":
-        return HostLayerKV(self, layer)
-
-    def to(self, device) -> "HostPrefixKVCache":
-        return self  # the payload stays in host memory; reads stream it to the compute device
-
-    def free(self) -> None:
-        self.release_device()
-        super().free()
-
-    def release_device(self) -> None:
-        """Drop the device slots (the run is over); the host payload stays."""
-        if self._copier is not None:
-            self._copier.drain()
-        self._slots = self._ring = self._copier = None
-        self._written = {}
-
-    @property
-    def layers(self) -> int:
-        return self.kv[0].shape[0]
-
-    def _store(self, group: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        entry = self.kv[group][layer]
-        pinned = entry.is_pinned()
-        entry[0].copy_(key, non_blocking=pinned)
-        entry[1].copy_(value, non_blocking=pinned)
-        if self.compute_device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.compute_device))
-            self._written[layer] = event
-        if self._ring is not None and layer in self._ring.owner:  # a slot holding this layer is stale now
-            self._ring.owner[self._ring.owner.index(layer)] = None
-
-    def _fetch(self, layer: int, keep) -> int:
-        ring, copier = self._ring, self._copier
-        slot = ring.victim(keep)
-        pairs = [(self._slots[slot][g], self.kv[g][layer]) for g in range(len(self.kv))]
-        ring.ready[slot] = copier.copy(pairs, after=(copier.now(), self._written.get(layer)))
-        ring.owner[slot] = layer
-        ring.touch(slot)
-        self.copies += 1
-        return slot
-
-    def _read(self, layer: int) -> list[torch.Tensor]:
-        """Layer `layer`'s keys and values of every prefix on the compute device; starts fetching the next layer."""
-        if self._slots is None:
-            _WITH_SLOTS.add(self)
-            self._copier = _Copier(self.compute_device)
-            self._ring = _Ring(2)
-            self._slots = [[torch.empty(t.shape[1:], dtype=t.dtype, device=self.compute_device) for t in self.kv]
-                           for _ in range(2)]
-        ring = self._ring
-        slot = ring.find(layer)
-        if slot is None:
-            slot = self._fetch(layer, keep=None)
-        ring.touch(slot)
-        self._copier.wait(ring.ready[slot])
-        following = (layer + 1) % self.layers
-        if following != layer and ring.find(following) is None:
-            self._fetch(following, keep=slot)
-        return self._slots[slot]
-
-
-class HostLayerKV(LayerKV):
-    """One layer of a `HostPrefixKVCache`: `store` copies out to the host, `read` returns device tensors."""
-
-    __slots__ = ()
-
-    def store(self, group: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.cache._store(group, self.layer, key, value)
-
-    def read(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        entry = self.cache._read(self.layer)[group]
-        return entry[0], entry[1]
-
-
-#: Host caches holding device slots right now (released when their run ends, also when a kept one was reused).
-_WITH_SLOTS: "weakref.WeakSet[HostPrefixKVCache]" = weakref.WeakSet()
-
-
-def release_cache_slots() -> None:
-    """Drop the device slots of every host-side cache (their payloads stay in host memory)."""
-    for cache in list(_WITH_SLOTS):
-        cache.release_device()
-        _WITH_SLOTS.discard(cache)
 
 
 class StreamedRun:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..vae import QwenImage21VAE, QwenImage21VAEConfig
 from .checkpoint import (
     FILE_DTYPES,
     MEMORY,
@@ -39,7 +40,6 @@ from .checkpoint import (
     read_weight_headers,
     rename_keys,
 )
-from .vae import QwenImage21VAE, QwenImage21VAEConfig
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the VAE loads as (fp16 warns, see _dtype)
 # Full-checkpoint prefixes some files keep (ComfyUI strips the same ones).

@@ -5,10 +5,10 @@ What a LoRA file holds, per targeted Linear `W` (out x in): a down matrix `A` (r
 (out x rank) and optionally a scalar `alpha`. The layer becomes `W x + strength * alpha / rank * B (A x)`
 (`alpha / rank` = 1 without alpha), computed as a branch in the compute dtype next to the frozen weight, so
 bf16, fp16, fp32, fp8 and quantized weights all take it without requantization or a weight copy
-(`Linear.adapters`, model/linear.py). Key formats, the scale rule and what is refused: docs/lora.md.
+(`Linear.adapters`, model/layers/linear.py). Key formats, the scale rule and what is refused: docs/lora.md.
 
 Names: a file names diffusers' modules (`transformer_blocks.N.attn.to_q`, ...), in one of the formats of
-`FORMATS`; `_file_plan` (dit_loading.py) says which rows of which of our Linears each of them is, so separate
+`FORMATS`; `file_plan` (dit_keys.py) says which rows of which of our Linears each of them is, so separate
 `to_q`/`to_k`/`to_v` or `gate_layer`/`proj` LoRAs land on the right rows of our fused `qkv` and `gate_up`.
 
 `apply_lora(model, path, strength)` never changes `model`: it returns a copy whose module tree is new objects
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from ..layers.linear import Linear
+from ..layers.lora import LowRankBranch
+from ..transformer.dit import DiTConfig, QwenImage21DiT
 from .checkpoint import FILE_DTYPES, FP8_FILE_DTYPES, CheckpointError, WeightReader, read_header
-from .dit import DiTConfig, Linear, QwenImage21DiT
-from .dit_loading import _file_plan
+from .dit_keys import file_plan
 
 
 class LoraError(CheckpointError):
@@ -119,7 +120,7 @@ def lora_targets(config: DiTConfig) -> dict[str, Target]:
         meta = QwenImage21DiT(config)
     targets = {}
     for fused in (False, True):
-        for name, keys in _file_plan(config, fused).items():
+        for name, keys in file_plan(config, fused).items():
             path, _, attr = name.rpartition(".")
             module = meta.get_submodule(path) if path else None
             if attr != "weight" or not isinstance(module, Linear):
@@ -345,63 +346,6 @@ def _load_matrix(reader: WeightReader, headers, key: str) -> torch.Tensor:
     keep = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     tensor = reader.load(key, keep, "cpu")
     return tensor.reshape(tensor.shape[:2])  # LoCon's [a, b, 1, 1] -> [a, b]
-
-
-# -- the branch ----------------------------------------------------------------------------------------------------
-class LowRankBranch:
-    """One LoRA on one Linear, as `Linear.adapters` calls it: `branch(x, start, end)` -> the `(..., end - start)`
-    term for those output rows, or None when none of its pairs touches them.
-
-    For each requested row range the pairs that overlap it are stacked once per (dtype, device): their downs as
-    one `(sum of ranks, in)` matrix, their ups (times strength * alpha / rank, folded in fp32) side by side in a
-    `(end - start, sum of ranks)` matrix with zeros where a pair has no rows, so the term is two skinny GEMMs in
-    the compute dtype. The stored pairs stay on the CPU; the stacked copy follows the model to its device.
-    """
-
-    def __init__(self, pairs, strength: float):
-        self.pairs = tuple(pairs)  # LoraPair, all on one Linear
-        self.strength = float(strength)
-        self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
-
-    def _plan(self, start: int, end: int, dtype: torch.dtype, device: torch.device):
-        key = (start, end, dtype, device)
-        if key not in self._plans:
-            if any(k[3] != device for k in self._plans):
-                self._plans = {}  # the model moved: keep one device's copy only
-            hits = [p for p in self.pairs if p.target.start < end and start < p.target.end]
-            if not hits:
-                self._plans[key] = None
-            else:
-                down = torch.cat([p.down.to(device=device, dtype=torch.float32) for p in hits])
-                up = torch.zeros(end - start, down.shape[0], dtype=torch.float32, device=device)
-                col = 0
-                for p in hits:
-                    lo, hi = max(start, p.target.start), min(end, p.target.end)
-                    rows = p.up[lo - p.target.start : hi - p.target.start].to(device=device, dtype=torch.float32)
-                    up[lo - start : hi - start, col : col + p.rank] = rows * (self.strength * p.scale)
-                    col += p.rank
-                self._plans[key] = (down.to(dtype), up.to(dtype))
-        return self._plans[key]
-
-    def release(self) -> None:
-        """Drop the stacked copies (they follow the model's device; the host's model manager unloaded it)."""
-        self._plans = {}
-
-    def __call__(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
-        plan = self._plan(start, end, x.dtype, x.device)
-        if plan is None:
-            return None
-        down, up = plan
-        return F.linear(F.linear(x, down), up)
-
-
-def release_branches(model: torch.nn.Module) -> None:
-    """Free every LoRA branch's stacked device copy in `model` (called when the model is unloaded, so the copies
-    do not stay in VRAM while its weights are offloaded; the next call rebuilds them where the model is)."""
-    for module in model.modules():
-        for adapter in getattr(module, "adapters", ()):
-            if isinstance(adapter, LowRankBranch):
-                adapter.release()
 
 
 # -- applying --------------------------------------------------------------------------------------------------

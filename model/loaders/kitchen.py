@@ -10,7 +10,7 @@ Legacy scaled-fp8 files instead carry a `scaled_fp8` marker tensor and `L.scale_
 `plan_quantization` reads the descriptions (small JSON blobs; no weight is read) and checks every quantized
 layer from the headers alone: a known format, every scale present with the shape and dtype the format needs,
 nothing left over, a format this machine and comfy-kitchen can run. Only then do the loaders read weights. A
-quantized layer becomes a `QuantLinear` (a `dit.Linear`, so LoRA adapters and the DiT's row-range calls work
+quantized layer becomes a `QuantLinear` (a `Linear`, so LoRA adapters and the DiT's row-range calls work
 unchanged) or, for a text encoder's token table, a `QuantEmbedding`. Each file tensor stays one segment of its
 own, in its stored dtype and with its own scales (the fused [q; k; v] of the DiT is three file tensors, each with
 its own scale), so the parameter bytes are the file's payload and nothing is upcast.
@@ -35,10 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .dit import Linear
-
-# the layers are re-exported: the loaders import them from here
-from .quantized_layers import FP8_DTYPES, INSTALL, ROW_AXIS, QuantEmbedding, QuantLinear, kitchen  # noqa: F401
+from ..layers.kitchen import FP8_DTYPES, QuantEmbedding, QuantLinear, kitchen
+from ..layers.linear import Linear
 from .safetensors_io import CheckpointError, TensorInfo, parse_json_object
 
 MAX_DESCRIPTION_BYTES = 64 * 1024  # a layer's JSON description is tens of bytes

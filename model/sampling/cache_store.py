@@ -6,7 +6,7 @@ the model's identity and the conditioning's content, evicted least-recently-used
 dropped when their model is garbage-collected, and cleared on request (ComfyUI's "free memory").
 
 The bound is the smaller of a fixed ceiling (`budget_bytes`; None: none) and what the memory planner says is free
-beside the current run (`free_bytes`, set by the sampler nodes before each run, model/planner.py); with neither,
+beside the current run (`free_bytes`, set by the sampler nodes before each run, model/memory/planner.py); with neither,
 `DEFAULT_BUDGET_BYTES`. The samplers' store has no fixed ceiling: on a large GPU it keeps more.
 """
 
@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections import OrderedDict
 
-from .prefix_cache import PrefixKVCache
+from ..transformer.prefix_cache import PrefixKVCache
 
 DEFAULT_BUDGET_BYTES = 8 * 2**30  # ~16k prefix tokens of the full model in bf16 (0.5 MiB per token)
 

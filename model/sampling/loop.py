@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..conditioning import Conditioning
+from ..latents import LATENT_CHANNELS, latent_shape
+from ..transformer.dit import PrefixInputs, QwenImage21DiT
+from ..transformer.prefix_cache import PrefixKVCache
 from .cache_store import DEFAULT_STORE, PrefixCacheStore
-from .conditioning import Conditioning
-from .dit import PrefixInputs, QwenImage21DiT
 from .img2img import finish_latents, start_latents
-from .latents import LATENT_CHANNELS, latent_shape
-from .prefix_cache import PrefixKVCache
 from .schedule import euler_step, literal_sigmas, transformer_timestep
 
 
@@ -274,7 +274,7 @@ def sample(
         "prefill_seconds": None if prefill_seconds is None else round(prefill_seconds, 4),
         "step_seconds": round(sum(step_times) / len(step_times), 4) if step_times else None,
     }
-    loras = getattr(model, "loras", ())  # a LoRA copy (model/lora.py) records what it applied
+    loras = getattr(model, "loras", ())  # a LoRA copy (model/loaders/lora.py) records what it applied
     if loras:
         report["loras"] = [{"name": lora.name, "strength": lora.strength} for lora in loras]
         notes.extend(note for lora in loras for note in lora.notes)

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from .latents import latent_tokens
+from ..latents import latent_tokens
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..layers.gguf import FLOAT_TYPES, QUANT_TYPES, SUPPORTED_TYPES, GGUFLinear, dequantize
+from ..layers.linear import Linear
+from ..transformer.dit import QwenImage21DiT
 from .checkpoint import CheckpointError, TensorInfo, choose_dtype, rename_keys
-from .dit import Linear, QwenImage21DiT
-from .dit_loading import DiTSource, _check_shapes, _file_plan, _strip, _variant_from_name, infer_config
-from .gguf_dequant import FLOAT_TYPES, QUANT_TYPES, SUPPORTED_TYPES, GGUFLinear, dequantize
+from .dit_keys import DiTSource, check_shapes, file_plan, infer_config, strip_prefix, variant_from_name
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ORIG_SHAPE_KEY = "comfy.gguf.orig_shape."  # + tensor name: its shape before ComfyUI-GGUF flattened it to rows of 256
@@ -193,11 +194,11 @@ def load_gguf_dit(path, weight_dtype: str = "default", device="cpu", attention: 
     try:
         table = _table(gguf, reader, path)
         arch = _check_architecture(gguf, reader, table.keys(), where)
-        keys = rename_keys(table, _strip, where)  # {key without the ComfyUI prefix: key in the file}
+        keys = rename_keys(table, strip_prefix, where)  # {key without the ComfyUI prefix: key in the file}
         tensors = {key: TensorInfo(table[file_key][0], table[file_key][1], path) for key, file_key in keys.items()}
         config = infer_config(tensors, f"{where} (GGUF, general.architecture = {arch!r})")
-        plan = _file_plan(config, "transformer_blocks.0.img_mlp.gate_up.weight" in tensors)
-        _check_shapes(plan, tensors, config, where)
+        plan = file_plan(config, "transformer_blocks.0.img_mlp.gate_up.weight" in tensors)
+        check_shapes(plan, tensors, config, where)
         _check_types(table, keys, where)
 
         backend = "sdpa" if attention == "auto" else attention
@@ -212,7 +213,7 @@ def load_gguf_dit(path, weight_dtype: str = "default", device="cpu", attention: 
     finally:
         del table, reader  # the tensors' views and the reader hold the file's mapping: drop them now
     model.compute_dtype = compute
-    model.source = DiTSource(path, "gguf", *_variant_from_name(path))
+    model.source = DiTSource(path, "gguf", *variant_from_name(path))
     return model.eval()
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..layers.linear import Linear
 from .attention import (
     ATTENTION_BACKENDS,
     flex_block_mask,
@@ -33,7 +34,6 @@ from .attention import (
     target_attention,
 )
 from .layout import SequenceLayout
-from .linear import Linear  # noqa: F401  (also the DiT's public layer type: dit.Linear)
 from .prefix_cache import LayerKV, PrefixKVCache
 from .rope import apply_rope, rope_angles
 
@@ -309,7 +309,7 @@ class QwenImage21DiT(nn.Module):
         self.config = config
         self.attention = attention
         self.compute_dtype = dtype or torch.float32
-        self.source = None  # what the loader read (dit_loading.DiTSource); None for a model built in code
+        self.source = None  # what the loader read (loaders.dit_keys.DiTSource); None for a model built in code
         self.manager = None  # the host's memory-management handle (nodes/bridge.py keeps ComfyUI's patcher here)
         width = config.width
         self.time_embed = TimestepEmbedding(width, device=device, dtype=dtype)

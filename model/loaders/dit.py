@@ -18,34 +18,28 @@ config inference.
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from ..transformer.dit import DiTConfig, QwenImage21DiT
 from .checkpoint import (
     FILE_DTYPES,
     FP8_FILE_DTYPES,
     CheckpointError,
-    TensorInfo,
     WeightFiles,
     WeightReader,
     check_dtypes,
     choose_dtype,
-    count_indexed,
     find_weights,
-    identify_checkpoint,
-    infos_of,
     quantization_marker,
     read_json,
     read_weight_headers,
     rename_keys,
 )
-from .dit import DiTConfig, QwenImage21DiT
+from .dit_keys import DiTSource, check_shapes, file_plan, infer_config, strip_prefix, variant_from_name
 
-COMFY_PREFIX = "model.diffusion_model."
-DETECT_KEYS = ("txt_in.text_norm.weight", "modulation.1.weight", "transformer_blocks.0.attn.norm_q.weight",
-               "img_in.weight", "proj_out.weight")
 # What the DiT loads as; fp8_e4m3fn stores the FP8_PARAMS weights in fp8 and computes in bf16.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -58,95 +52,6 @@ DIFFUSERS_FOLDER = ("a diffusers Qwen-Image-2.1 folder (transformer/config.json 
 # What to load when a quantized file cannot run here.
 QUANTIZED_INSTEAD = ("qwen_image_2.1_int8_convrot.safetensors (qwen_image_2.1_turbo_int8_convrot for Turbo) or "
                      "the bf16 file")
-
-
-@dataclass(frozen=True)
-class DiTSource:
-    """What was loaded: the path, its layout, the variant ("base", "turbo" or "unknown") and how we know."""
-
-    path: Path
-    layout: str  # "comfyui", "diffusers" or "gguf"
-    variant: str
-    variant_from: str
-    # A diffusers folder's own Turbo grid (`sample_sigmas` of model_index.json, else of the scheduler config),
-    # without the terminal 0; None when the files give none (single files, Base).
-    sigmas: tuple[float, ...] | None = None
-    quantized: tuple[str, ...] = ()  # the formats of a ComfyUI quantized file ("int8_tensorwise", ...)
-
-
-def _file_plan(config: DiTConfig, fused_mlp: bool) -> dict[str, list[str]]:
-    """Our parameter name -> the file keys concatenated (along rows) to make it."""
-    plan = {
-        "time_embed.linear_1.weight": ["time_text_embed.timestep_embedder.linear_1.weight"],
-        "time_embed.linear_2.weight": ["time_text_embed.timestep_embedder.linear_2.weight"],
-        "txt_in.text_norm.weight": ["txt_in.text_norm.weight"],
-        "txt_in.in_layer.weight": ["txt_in.in_layer.weight"],
-        "txt_in.out_layer.weight": ["txt_in.out_layer.weight"],
-        "img_in.weight": ["img_in.weight"],
-        "modulation.weight": ["modulation.1.weight"],
-        "norm_out.weight": ["norm_out.linear.weight"],
-        "proj_out.weight": ["proj_out.weight"],
-    }
-    for i in range(config.num_layers):
-        src, dst = f"transformer_blocks.{i}.", f"blocks.{i}."
-        plan[dst + "qkv.weight"] = [src + f"attn.to_{x}.weight" for x in "qkv"]
-        plan[dst + "norm_q"] = [src + "attn.norm_q.weight"]
-        plan[dst + "norm_k"] = [src + "attn.norm_k.weight"]
-        plan[dst + "to_out.weight"] = [src + "attn.to_out.0.weight"]
-        plan[dst + "gate_up.weight"] = (
-            [src + "img_mlp.gate_up.weight"] if fused_mlp
-            else [src + "img_mlp.gate_layer.weight", src + "img_mlp.proj.weight"]
-        )
-        plan[dst + "down.weight"] = [src + "img_mlp.out.weight"]
-    return plan
-
-
-def convert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A file-layout state dict (diffusers or ComfyUI, any prefix) as our parameter names, in memory."""
-    state_dict = {_strip(k): v for k, v in state_dict.items()}
-    config = infer_config(infos_of(state_dict))
-    fused = "transformer_blocks.0.img_mlp.gate_up.weight" in state_dict
-    return {name: torch.cat([state_dict[k] for k in keys]) for name, keys in _file_plan(config, fused).items()}
-
-
-def _strip(key: str) -> str:
-    return key.removeprefix(COMFY_PREFIX)
-
-
-def infer_config(tensors: dict[str, TensorInfo], where: str = "checkpoint") -> DiTConfig:
-    """The DiT config from tensor shapes alone (keys without prefix)."""
-    missing = [key for key in DETECT_KEYS if key not in tensors]
-    mlp_keys = ("transformer_blocks.0.img_mlp.gate_up.weight", "transformer_blocks.0.img_mlp.proj.weight")
-    if missing or not any(key in tensors for key in mlp_keys):
-        raise CheckpointError(
-            f"{where} is {identify_checkpoint(tensors)}, not a Qwen-Image 2.1 DiT"
-            + (f" (missing {', '.join(missing)})" if missing else "")
-            + ". Put Qwen-Image 2.1 transformer files (qwen_image_2.1_bf16.safetensors or a diffusers "
-            "Qwen-Image-2.1 folder) in models/diffusion_models."
-        )
-    head_dim = tensors["transformer_blocks.0.attn.norm_q.weight"].shape[0]
-    width, in_channels = tensors["img_in.weight"].shape
-    layers = count_indexed(tensors, r"transformer_blocks\.(\d+)\.")
-    if "transformer_blocks.0.img_mlp.gate_up.weight" in tensors:
-        hidden = tensors["transformer_blocks.0.img_mlp.gate_up.weight"].shape[0] // 2
-    else:
-        hidden = tensors["transformer_blocks.0.img_mlp.proj.weight"].shape[0]
-    if width % head_dim or hidden % width or head_dim % 32:
-        raise CheckpointError(
-            f"{where}: width {width}, head size {head_dim} and MLP size {hidden} do not fit together."
-        )
-    # RoPE axes are not in the weights: the release splits its 128-dim heads 16/56/56, i.e. 1/8 + 7/16 + 7/16.
-    rope_axes = (head_dim // 8, head_dim * 7 // 16, head_dim * 7 // 16)
-    return DiTConfig(
-        in_channels=in_channels,
-        out_channels=tensors["proj_out.weight"].shape[0],
-        num_layers=layers,
-        num_heads=width // head_dim,
-        head_dim=head_dim,
-        context_in_dim=tensors["txt_in.text_norm.weight"].shape[0],
-        mlp_ratio=hidden // width,
-        axes_dims_rope=rope_axes,
-    )
 
 
 def _config_from_json(path: Path, inferred: DiTConfig) -> DiTConfig:
@@ -170,21 +75,12 @@ def _config_from_json(path: Path, inferred: DiTConfig) -> DiTConfig:
     return config
 
 
-def _variant_from_name(path: Path) -> tuple[str, str]:
-    name = path.name.lower()
-    if "turbo" in name:
-        return "turbo", "file name"
-    if re.search(r"qwen[-_ ]?image[-_ ]?2\.?1", name):
-        return "base", "file name"
-    return "unknown", "nothing in the files says"
-
-
 def _locate(path) -> tuple[WeightFiles, DiTSource]:
     """The weight files and what the source is; a diffusers root's model_index.json tells Base from Turbo."""
     weights = find_weights(path, "transformer", DIFFUSERS_FOLDER)
     if weights.single_file:
-        return weights, DiTSource(weights.path, "comfyui", *_variant_from_name(weights.path))
-    variant, why = _variant_from_name(weights.root)
+        return weights, DiTSource(weights.path, "comfyui", *variant_from_name(weights.path))
+    variant, why = variant_from_name(weights.root)
     grid = None
     if weights.model_index is not None:
         sigmas = read_json(weights.model_index, "model_index.json").get("sample_sigmas")
@@ -234,29 +130,29 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     stored in fp8, computed in bf16) or a torch dtype. A GGUF file goes to `gguf_loading.load_gguf_dit`.
     """
     if is_gguf(path):
-        from .gguf_loading import load_gguf_dit  # imports the gguf package, needed only for GGUF files
+        from .gguf import load_gguf_dit  # imports the gguf package, needed only for GGUF files
 
         return load_gguf_dit(path, weight_dtype, device, attention)
     weights, source = _locate(path)
     raw, metadata = read_weight_headers(weights)
     where = str(source.path.name)
-    file_keys = rename_keys(raw, _strip, where)  # {key without the ComfyUI prefix: key in the file}
+    file_keys = rename_keys(raw, strip_prefix, where)  # {key without the ComfyUI prefix: key in the file}
     tensors = {key: raw[file_key] for key, file_key in file_keys.items()}
     quant = None
-    if quantization_marker(tensors, metadata) is not None:  # a ComfyUI quantized file (model/quantized.py)
-        from .quantized import plan_quantization  # comfy-kitchen is imported only for quantized files
+    if quantization_marker(tensors, metadata) is not None:  # a ComfyUI quantized file (model/loaders/kitchen.py)
+        from .kitchen import plan_quantization  # comfy-kitchen is imported only for quantized files
 
         with WeightReader(raw) as blobs:
             quant = plan_quantization(tensors, metadata, lambda key: blobs.read(file_keys[key]), where,
-                                      QUANTIZED_INSTEAD, rename=_strip)
+                                      QUANTIZED_INSTEAD, rename=strip_prefix)
         tensors = quant.logical(tensors)  # the scales dropped, each quantized weight with its [out, in] shape
         source = replace(source, quantized=tuple(quant.formats))
     config = infer_config(tensors, where)
     if weights.config is not None:
         config = _config_from_json(weights.config, config)
     fused = "transformer_blocks.0.img_mlp.gate_up.weight" in tensors
-    plan = _file_plan(config, fused)
-    _check_shapes(plan, tensors, config, where)
+    plan = file_plan(config, fused)
+    check_shapes(plan, tensors, config, where)
     floats, fp8_ok = tuple(FILE_DTYPES), tuple(FILE_DTYPES) + tuple(FP8_FILE_DTYPES)
     check_dtypes(tensors, {key: fp8_ok if FP8_PARAMS.fullmatch(name) else floats
                            for name, keys in plan.items() for key in keys}, where, "DiT")
@@ -281,32 +177,6 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     return model.eval()
 
 
-def _check_shapes(plan, tensors, config: DiTConfig, where: str) -> None:
-    needed = {key for keys in plan.values() for key in keys}
-    missing = sorted(needed - tensors.keys())
-    if missing:
-        raise CheckpointError(
-            f"{where}: {len(missing)} DiT tensors are missing (e.g. {', '.join(missing[:3])}); the file is incomplete "
-            "or from another model. Re-download it."
-        )
-    unexpected = sorted(tensors.keys() - needed)
-    if unexpected:
-        raise CheckpointError(
-            f"{where}: {len(unexpected)} tensors that a Qwen-Image 2.1 DiT does not have "
-            f"(e.g. {', '.join(unexpected[:3])}); this is not a plain Qwen-Image 2.1 transformer."
-        )
-    with torch.device("meta"):
-        reference = QwenImage21DiT(config).state_dict()
-    for name, keys in plan.items():
-        rows = sum(tensors[k].shape[0] for k in keys)
-        expected = tuple(reference[name].shape)
-        got = (rows, *tensors[keys[0]].shape[1:])
-        if got != expected or any(tensors[k].shape[1:] != tensors[keys[0]].shape[1:] for k in keys):
-            raise CheckpointError(
-                f"{where}: {keys[0]} has shape {tensors[keys[0]].shape}, expected rows of {expected}."
-            )
-
-
 def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute, fp8: bool, device,
           quant=None) -> None:
     """Each parameter built in memory of its own and filled part by part (the file's views are only copied from).
@@ -318,7 +188,8 @@ def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute,
         quant.check_targets(model, plan)  # before any weight is read
     fp8_linear = None
     if fp8:
-        from .quantized import QuantLinear, kitchen_installed
+        from ..layers.kitchen import QuantLinear
+        from .kitchen import kitchen_installed
 
         fp8_linear = QuantLinear.from_fp8 if kitchen_installed() else None
     for name, keys in plan.items():

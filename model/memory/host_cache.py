@@ -1,0 +1,109 @@
+"""The prefix cache in host memory (pinned for a GPU), streamed to the compute device one layer ahead through the
+same slot ring as weight streaming: for a run whose cache does not fit beside the weights."""
+
+import weakref
+
+import torch
+
+from ..transformer.prefix_cache import LayerKV, PrefixKVCache
+from .slots import STREAM_SLOTS, SlotRing
+
+
+class HostPrefixKVCache(PrefixKVCache):
+    """A `PrefixKVCache` whose payload lives in host memory (pinned for a GPU) and is streamed in per layer.
+
+    The prefill copies each layer's prefix keys and values out to the host as the block computes them; a cached
+    step reads layer l from one of `STREAM_SLOTS` device slots, filled on a side stream while layer l - 1 ran
+    (layer 0 of the next step is fetched while the last layer runs). `device` reports where the payload is (the
+    host), and `to()` keeps it there: the store keeps it in host memory between runs.
+    """
+
+    def __init__(self, device):
+        super().__init__()
+        self.compute_device = torch.device(device)
+        self.copies = 0
+        self._slots = None
+        self._ring = None
+        self._written = {}
+
+    def allocate(self, prefix_lens, layers: int, heads: int, head_dim: int, dtype, device) -> None:
+        self.free()
+        self.compute_device = torch.device(device)
+        self.prefix_lens = tuple(int(p) for p in prefix_lens)
+        pin = self.compute_device.type == "cuda"
+        self.kv = [torch.empty(layers, 2, p, heads, head_dim, dtype=dtype, device="cpu", pin_memory=pin)
+                   for p in self.prefix_lens]
+
+    def layer_kv(self, layer: int) -> "HostLayerKV":
+        return HostLayerKV(self, layer)
+
+    def to(self, device) -> "HostPrefixKVCache":
+        return self  # the payload stays in host memory; reads stream it to the compute device
+
+    def free(self) -> None:
+        self.release_device()
+        super().free()
+
+    def release_device(self) -> None:
+        """Drop the device slots (the run is over); the host payload stays."""
+        if self._ring is not None:
+            self._ring.drain()
+        self._slots = self._ring = None
+        self._written = {}
+
+    @property
+    def layers(self) -> int:
+        return self.kv[0].shape[0]
+
+    def _store(self, group: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        entry = self.kv[group][layer]
+        pinned = entry.is_pinned()
+        entry[0].copy_(key, non_blocking=pinned)
+        entry[1].copy_(value, non_blocking=pinned)
+        if self.compute_device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.compute_device))
+            self._written[layer] = event
+        if self._ring is not None:  # a slot holding this layer is stale now
+            self._ring.forget(layer)
+
+    def _slot_copies(self, layer: int, slot: int):
+        self.copies += 1
+        return [(self._slots[slot][g], self.kv[g][layer]) for g in range(len(self.kv))]
+
+    def _read(self, layer: int) -> list[torch.Tensor]:
+        """Layer `layer`'s keys and values of every prefix on the compute device; starts fetching the next layer."""
+        if self._slots is None:
+            _WITH_SLOTS.add(self)
+            self._ring = SlotRing(STREAM_SLOTS, self.compute_device, self._slot_copies,
+                                  after=lambda layer: self._written.get(layer))
+            self._slots = [[torch.empty(t.shape[1:], dtype=t.dtype, device=self.compute_device) for t in self.kv]
+                           for _ in range(STREAM_SLOTS)]
+        slot = self._ring.acquire(layer, following=(layer + 1) % self.layers)
+        return self._slots[slot]
+
+
+class HostLayerKV(LayerKV):
+    """One layer of a `HostPrefixKVCache`: `store` copies out to the host, `read` returns device tensors."""
+
+    __slots__ = ()
+
+    def store(self, group: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.cache._store(group, self.layer, key, value)
+
+    def read(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self.cache._read(self.layer)[group]
+        return entry[0], entry[1]
+
+
+
+#: Host caches holding device slots right now (released when their run ends, also when a kept one was reused).
+_WITH_SLOTS: "weakref.WeakSet[HostPrefixKVCache]" = weakref.WeakSet()
+
+
+
+def release_cache_slots() -> None:
+    """Drop the device slots of every host-side cache (their payloads stay in host memory)."""
+    for cache in list(_WITH_SLOTS):
+        cache.release_device()
+        _WITH_SLOTS.discard(cache)
