@@ -13,7 +13,7 @@ from ..model.latents import (
     target_size,
 )
 from ..model.layers.lora import release_branches
-from ..model.sampling.cache_store import DEFAULT_STORE
+from ..model.sampling.cache_store import DEFAULT_STORE, cache_owner
 from ..model.sampling.img2img import check_denoise, check_latent, denoise_tail, fixed_tail, latent_mask
 from ..model.sampling.loop import initial_noise, sample
 from ..model.sampling.schedule import base_sigmas, literal_sigmas, turbo_sigmas
@@ -180,6 +180,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
 def _unloaded(model) -> None:
     """ComfyUI unloaded the DiT: its kept prefix caches and its LoRA branches' device copies go with it."""
     DEFAULT_STORE.evict_model(id(model))
+    DEFAULT_STORE.evict_model(id(cache_owner(model)))  # a Fun ControlNet copy's caches are keyed by its base model
     release_branches(model)
 
 

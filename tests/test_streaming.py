@@ -8,7 +8,7 @@ import torch
 
 from dit_fixtures import tiny_pair
 from qi21.model.conditioning import Conditioning
-from qi21.model.loaders.lora import _clone_tree
+from qi21.model.loaders.lora import clone_tree
 from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
 from qi21.model.memory.weights import dit_weights
@@ -128,7 +128,7 @@ def test_streamer_on_a_plain_layer_stack_and_a_lora_style_copy():
         return h
 
     expected = forward(layers)
-    clone = _clone_tree(layers)  # new module objects holding the same Parameters, as a LoRA copy does
+    clone = clone_tree(layers)  # new module objects holding the same Parameters, as a LoRA copy does
     with LayerStreamer(layers, (0, 1, 3), "cpu") as streamer:
         assert torch.equal(forward(layers), expected) and torch.equal(forward(layers), expected)
         assert torch.equal(forward(clone), expected)  # streaming the original leaves the copy's weights intact

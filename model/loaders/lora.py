@@ -363,7 +363,7 @@ def lora_set(model) -> tuple[tuple[str, float], ...]:
     return tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
 
 
-def _clone_tree(module: torch.nn.Module) -> torch.nn.Module:
+def clone_tree(module: torch.nn.Module) -> torch.nn.Module:
     """A new module object for `module` and every submodule; parameters and buffers are the same objects (moving
     either tree moves both), and every container (parameters, buffers, hooks, submodules) is the copy's own."""
     new = copy.copy(module)
@@ -372,7 +372,7 @@ def _clone_tree(module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(value, (dict, set, list)):
             state[attr] = copy.copy(value)
     state["_modules"] = type(module._modules)(
-        (name, None if child is None else _clone_tree(child)) for name, child in module._modules.items())
+        (name, None if child is None else clone_tree(child)) for name, child in module._modules.items())
     return new
 
 
@@ -387,7 +387,7 @@ def apply_lora(model: QwenImage21DiT, path, strength: float = 1.0, name: str | N
     by_linear: dict[str, list[LoraPair]] = {}
     for pair in lora.pairs:
         by_linear.setdefault(pair.target.linear, []).append(pair)
-    new = _clone_tree(model)
+    new = clone_tree(model)
     if strength != 0.0:  # strength 0 is the model itself: recorded, but no branch to run
         for path_, pairs in by_linear.items():
             linear = new.get_submodule(path_)

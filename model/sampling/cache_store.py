@@ -28,11 +28,14 @@ class PrefixCacheStore:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(model, *fingerprints, dtype=None) -> tuple:
-        """The model's identity and dtype, the conditioning's fingerprints, and last the model's LoRA set (name and
-        strength of each: another strength or another LoRA never reuses a prefix)."""
+    def key(model, *fingerprints, dtype=None, control=None) -> tuple:
+        """The model's identity and dtype, the conditioning's fingerprints, the model's LoRA set (name and strength
+        of each: another strength or another LoRA never reuses a prefix), and last the Fun ControlNet of a
+        controlled prefix (`control`: its net and strength, not its image) or None for a plain one. A controlled
+        copy is identified by the model it was applied to, so a new control image reuses its prefix."""
         loras = tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
-        return (id(model), str(dtype), *fingerprints, loras)
+        return (id(cache_owner(model)), str(dtype), *fingerprints, loras,
+                None if control is None else control.cache_key)
 
     @property
     def limit_bytes(self) -> int:
@@ -83,6 +86,7 @@ class PrefixCacheStore:
             while self.nbytes > self.limit_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 evicted.free()
+            model = cache_owner(model)  # the identity in the key (`key`)
             if id(model) not in self._watched:
                 self._watched.add(id(model))
                 # the finaliser holds the store weakly: a model must not keep a discarded store alive
@@ -101,6 +105,12 @@ class PrefixCacheStore:
             for cache in self._entries.values():
                 cache.free()
             self._entries.clear()
+
+
+def cache_owner(model):
+    """The model whose identity keys its prefix caches: for a Fun ControlNet copy, the model it was applied to."""
+    control = getattr(model, "control", None)
+    return model if control is None else control.base
 
 
 def _evict_from(store_ref, model_id: int) -> None:

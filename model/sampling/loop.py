@@ -19,6 +19,7 @@ import torch
 
 from ..conditioning import Conditioning
 from ..latents import LATENT_CHANNELS, latent_shape
+from ..transformer.controlnet import ControlledPrefixCache
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
 from ..transformer.prefix_cache import PrefixKVCache
 from .cache_store import DEFAULT_STORE, PrefixCacheStore
@@ -143,6 +144,27 @@ class _FiniteWatch:
         )
 
 
+class _HeldBytes:
+    """The most bytes each cache stream held in this run (`base`, and with a control net `control` and the plain
+    cache of the steps outside its window, `base_uncontrolled`), and where a filled cache lived."""
+
+    def __init__(self, controlled_run: bool):
+        self.plain_name = "base_uncontrolled" if controlled_run else "base"
+        self.streams = {}
+        self.device = None
+
+    def note(self, phase: bool, cache) -> None:
+        parts = {"base": cache.base, "control": cache.control} if phase else {self.plain_name: cache}
+        for name, part in parts.items():
+            self.streams[name] = max(self.streams.get(name, 0), part.nbytes)
+            if part.filled:
+                self.device = str(part.device)
+
+    @property
+    def total(self) -> int:
+        return sum(self.streams.values())
+
+
 def sample(
     model: QwenImage21DiT,
     positive: Conditioning,
@@ -205,14 +227,29 @@ def sample(
     if prefix_cache and not cached:
         notes.append("prefix cache off: this model has causal_condition=false")
 
+    # A Fun ControlNet copy (model/transformer/controlnet.py) runs its control on the steps of its window; those
+    # steps read a controlled cache (base + control K/V), the others a plain one: `phase` True / False.
+    control = getattr(model, "control", None)
+    phases = [control is not None and control.active(sigmas[i].item()) for i in range(steps)]
     store = store if store is not None else DEFAULT_STORE
-    key = store.key(model, *(c.fingerprint() for c in conditionings), dtype=dtype) if cached and keep_cache else None
-    cache = store.take(key) if key is not None else None
-    hit = cache is not None
-    if hit:
-        cache.to(device)
-    elif cached:
-        cache = new_cache() if new_cache is not None else PrefixKVCache()  # new_cache: the memory plan's kind
+    new_cache = new_cache or PrefixKVCache  # new_cache: the memory plan's kind
+    keys, caches, hits = {}, {}, {}
+    for phase in dict.fromkeys(phases):
+        if cached and keep_cache:
+            keys[phase] = store.key(model, *(c.fingerprint() for c in conditionings), dtype=dtype,
+                                    control=control if phase else None)
+        cache = store.take(keys[phase]) if phase in keys else None
+        hits[phase] = cache is not None
+        if cache is not None:
+            cache.to(device)
+        elif cached:
+            cache = ControlledPrefixCache(new_cache) if phase else new_cache()
+        caches[phase] = cache
+    last_of = {phase: i for i, phase in enumerate(phases)}
+    held = _HeldBytes(control is not None)
+    hint_grid = grid if control is not None and any(phases) else None
+    if hint_grid is not None:
+        control.hint(hint_grid, device, dtype)  # the control latent (VAE encodes) before the first step's clock
 
     init = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
     mask = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
@@ -227,12 +264,21 @@ def sample(
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas), [], False
     try:
         for i in range(steps):
-            mode = "uncached" if not cached else ("prefill" if i == 0 and not hit else "cached")
+            phase, cache = phases[i], caches[phases[i]]
+            mode = "uncached" if not cached else ("cached" if cache.filled else "prefill")
             modes.append(mode)
             started = clock.start()
             t = transformer_timestep(sigmas[i], dtype).to(device)
+            extra = {}
+            if phase:  # the control for both CFG prompts and every sample, as core does
+                extra["control"] = control.stream(hint_grid, cache.control if cached else None, device, dtype)
             v = model(torch.cat([x, x]) if use_cfg else x, t, prefixes, sample_prefix,
-                      cache=cache if cached else None, mode=mode, attention=attention, after_block=after_block)
+                      cache=(cache.base if phase else cache) if cached else None, mode=mode, attention=attention,
+                      after_block=after_block, **extra)
+            if cached:
+                held.note(phase, cache)
+                if i == last_of[phase] and phase not in keys:
+                    cache.free()  # nothing later reads it: a partial window holds both caches only while both are used
             if use_cfg:
                 v_pos, v_neg = v.chunk(2)
                 v = v_neg + cfg * (v_pos - v_neg)
@@ -251,14 +297,17 @@ def sample(
         watch.finish()
         succeeded = True
     finally:
-        cache_bytes = cache.nbytes if cache is not None else 0
-        cache_device = str(cache.device) if cache is not None and cache.filled else None
-        if cache is not None:
+        for phase, cache in caches.items():
+            if cache is None:
+                continue
+            held.note(phase, cache)
+            key = keys.get(phase)
             if not (succeeded and key is not None and store.put(key, cache, model)):
                 cache.free()
             if succeeded and key is not None and not cache.filled:
                 notes.append("cache not kept: larger than the store's budget")
-        del cache
+        cache = None
+        caches.clear()
 
     times = clock.seconds()  # the run's one host sync on a GPU
     prefill_seconds = next((t for t, mode in zip(times, modes) if mode == "prefill"), None)
@@ -268,12 +317,14 @@ def sample(
         "target_tokens": grid[0] * grid[1],
         "batch": batch,
         "steps": steps,
-        "cache": "off" if not cached else ("hit" if hit else "miss"),
-        "cache_bytes": cache_bytes,
-        "cache_device": cache_device,
+        "cache": "off" if not cached else ("hit" if all(hits.values()) else "miss"),
+        "cache_bytes": held.total,
+        "cache_device": held.device,
         "prefill_seconds": None if prefill_seconds is None else round(prefill_seconds, 4),
         "step_seconds": round(sum(step_times) / len(step_times), 4) if step_times else None,
     }
+    if control is not None:
+        report["control"] = {**control.report(), "active_steps": sum(phases), "cache_bytes": held.streams}
     loras = getattr(model, "loras", ())  # a LoRA copy (model/loaders/lora.py) records what it applied
     if loras:
         report["loras"] = [{"name": lora.name, "strength": lora.strength} for lora in loras]

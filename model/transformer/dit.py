@@ -332,6 +332,7 @@ class QwenImage21DiT(nn.Module):
         mode: str = "uncached",
         attention: str | None = None,
         after_block: Callable[[int], None] | None = None,
+        control=None,
     ) -> torch.Tensor:
         """Velocity for the target rows.
 
@@ -345,13 +346,20 @@ class QwenImage21DiT(nn.Module):
             mode: "uncached" (no cache), "prefill" (full sequence, fills `cache`) or "cached" (target rows only).
             attention: prefill backend for this call, "sdpa" or "flex"; default: the model's.
             after_block: called with each block's index after it ran (interrupt checks inside a step).
+            control: a second stream added to this one (`controlnet.ControlStream`): `start(x, mods, rows)` sees
+                the embedded rows before block 0, `after_base_block(index, x)` returns each block's output with
+                the control's skip added.
         Returns:
             `(B, T, out_channels)` in the compute dtype.
         """
         x, mods, final_scale, rows = self.prepare(target, timestep, prefixes, sample_prefix, cache, mode, attention)
+        if control is not None:
+            control.start(x, mods, rows)
         last = len(self.blocks) - 1
         for index, block in enumerate(self.blocks):
             x = block(x, mods, rows, cache.layer_kv(index) if cache is not None else None, drop_prefix=index == last)
+            if control is not None:
+                x = control.after_base_block(index, x)
             if after_block is not None:
                 after_block(index)
         return self.final_layer(x, final_scale, rows)
