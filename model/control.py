@@ -1,8 +1,8 @@
 """The Fun ControlNet's 129-channel control latent for a target size: `[control 64 | keep 1 | inpaint 64]`.
 
 ComfyUI core's semantics (docs/controlnet.md), built at the target's pixel size (latent x 16):
-- control: the control image stretched (bicubic, as every image here) to the target, VAE-encoded, normalised `(z - mean) / std`;
-  zeros without one;
+- control: the control image stretched (bicubic, as every image here) to the target, VAE-encoded, normalised
+  `(z - mean) / std`; zeros without one;
 - keep: `1 - nearest-downsample(regen)`, regen = the mask stretched (bilinear) and `>= 0.5` (1 = regenerate);
   without a mask, regen is 1 everywhere, so keep is 0;
 - inpaint: the inpaint image with the regenerated pixels set to mid-grey (the VAE's zero), encoded and normalised;

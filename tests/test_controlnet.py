@@ -215,7 +215,7 @@ def test_cache_on_equals_cache_off_per_step_and_for_the_loop(pair, net, vae, cas
         with torch.no_grad():
             result = sample(patched, conditioning(), sigmas=SIGMAS, width=WIDTH, height=HEIGHT, seed=1,
                             batch_size=batch, negative=negative, cfg=cfg, prefix_cache=cache,
-                            callback=lambda info: steps.append(info.latents.clone()))
+                            callback=lambda info, steps=steps: steps.append(info.latents.clone()))
         runs[cache] = (result, steps)
     (on, on_steps), (off, off_steps) = runs[True], runs[False]
     for i, (a, b) in enumerate(zip(on_steps, off_steps)):
@@ -264,7 +264,7 @@ def test_kept_cache_keys_on_net_and_strength_not_on_the_image(pair, net, vae):
         assert run(controlled(model, net, vae, strength=0.5)).report["cache"] == "miss"
         assert run(model).report["cache"] == "miss"  # the plain model never reads a controlled prefix
     keys = list(store._entries)
-    assert len(keys) == 3 and {k[-1][2] for k in keys if k[-1]} == {1.0, 0.5}
+    assert len(keys) == 3 and {k[-2][2] for k in keys if k[-2]} == {1.0, 0.5}
 
 
 def test_strength_zero_or_no_input_returns_the_model_itself(pair, net):

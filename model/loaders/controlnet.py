@@ -77,7 +77,8 @@ def infer_controlnet_config(tensors: dict, where: str) -> tuple[ControlNetConfig
         raise CheckpointError(f"{where}: no control block with an after_proj and attn.norm_q; the file is incomplete.")
     head_dim = head_dim.shape[0]
     if width % head_dim or hidden % width:
-        raise CheckpointError(f"{where}: width {width}, head size {head_dim} and MLP size {hidden} do not fit together.")
+        raise CheckpointError(f"{where}: width {width}, head size {head_dim} and MLP size {hidden} do not fit "
+                              "together.")
     if count_indexed(tensors, r"control_blocks\.(\d+)\.") != blocks:
         raise CheckpointError(f"{where}: control blocks are numbered with gaps (after_proj found for {blocks}); the "
                               "file is damaged. Download it again.")

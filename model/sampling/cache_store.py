@@ -29,13 +29,13 @@ class PrefixCacheStore:
 
     @staticmethod
     def key(model, *fingerprints, dtype=None, control=None) -> tuple:
-        """The model's identity and dtype, the conditioning's fingerprints, the model's LoRA set (name and strength
-        of each: another strength or another LoRA never reuses a prefix), and last the Fun ControlNet of a
-        controlled prefix (`control`: its net and strength, not its image) or None for a plain one. A controlled
-        copy is identified by the model it was applied to, so a new control image reuses its prefix."""
+        """The model's identity and dtype, the conditioning's fingerprints, the Fun ControlNet of a controlled prefix
+        (`control`: its net and strength, not its image; None for a plain prefix), and last the model's LoRA set
+        (name and strength of each: another strength or another LoRA never reuses a prefix). A controlled copy is
+        identified by the model it was applied to, so a new control image reuses its prefix."""
         loras = tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
-        return (id(cache_owner(model)), str(dtype), *fingerprints, loras,
-                None if control is None else control.cache_key)
+        return (id(cache_owner(model)), str(dtype), *fingerprints, None if control is None else control.cache_key,
+                loras)
 
     @property
     def limit_bytes(self) -> int:
