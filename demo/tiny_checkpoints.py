@@ -11,6 +11,8 @@ end without the 30 GB of real weights:
     text_encoders/qwen3vl_8b_bf16_tokenizer/                vocab.json + merges.txt + tokenizer_config.json
     vae/qwen_image_2.1_vae_bf16.safetensors                 Wan 2.2 names, causal convs 5-D [O, I, 1, kh, kw]
     loras/qwen_image_2.1_speed_lora.safetensors             a rank-4 LoRA on every block (kohya keys + alpha)
+    model_patches/qwen_image_2.1_fun_controlnet_union_bf16.safetensors
+                                                            a 1-block Fun ControlNet (Comfy-Org's fused layout)
     diffusers/Qwen-Image-2.1/                               model_index.json, scheduler/, transformer/ (2 shards
                                                             + index), vae/, text_encoder/ (2 shards + index),
                                                             processor/ (tokenizer.json + preprocessor_config.json)
@@ -68,6 +70,7 @@ DIT_FILE, TURBO_DIT_FILE = "qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_tu
 TEXT_ENCODER_FILE = "qwen3vl_8b_bf16.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
 SPEED_LORA_FILE = "qwen_image_2.1_speed_lora.safetensors"  # the name the LoRA example workflow loads
+CONTROLNET_FILE = "qwen_image_2.1_fun_controlnet_union_bf16.safetensors"  # Comfy-Org's name for the control net
 BASE_REPO, TURBO_REPO = "Qwen-Image-2.1", "Qwen-Image-2.1-Turbo"
 COMFY_DIT_PREFIX = "model.diffusion_model."  # seen in the wild; the Turbo file uses it to cover that layout
 SAFETENSORS_METADATA = {"format": "pt"}  # what transformers and diffusers write
@@ -264,6 +267,27 @@ def lora_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0, rank: int = 4) 
     return out
 
 
+def controlnet_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0, blocks: int = 1) -> dict[str, torch.Tensor]:
+    """A random Fun ControlNet Union for a DiT of `config` in Comfy-Org's layout (bare keys, fused
+    `img_mlp.gate_up`), with a small `after_proj` so the control steers without swamping the tiny DiT."""
+    generator = torch.Generator().manual_seed(seed)
+    width, hidden, head_dim = config.width, config.mlp_hidden, config.head_dim
+    out = {"control_img_in.weight": _random((width, 129), "matrix", generator),
+           "control_img_in.bias": _random((width,), "bias", generator)}
+    for i in range(blocks):
+        p = f"control_blocks.{i}."
+        for name in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"):
+            out[p + name + ".weight"] = _random((width, width), "matrix", generator)
+        out[p + "attn.norm_q.weight"] = _random((head_dim,), "scale", generator)
+        out[p + "attn.norm_k.weight"] = _random((head_dim,), "scale", generator)
+        out[p + "img_mlp.gate_up.weight"] = _random((2 * hidden, width), "matrix", generator)
+        out[p + "img_mlp.out.weight"] = _random((width, hidden), "matrix", generator)
+        for proj in ("after_proj",) + (("before_proj",) if i == 0 else ()):
+            out[p + proj + ".weight"] = (0.3 * _random((width, width), "matrix", generator)).bfloat16().float()
+            out[p + proj + ".bias"] = _random((width,), "bias", generator)
+    return out
+
+
 def comfy_dit_state_dict(diffusers_sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
     """ComfyUI's single-file layout: each block's `img_mlp.gate_up` = cat[gate_layer; proj], other keys as is."""
     out = {}
@@ -440,7 +464,8 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, stem: str, dty
 def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
     """Write the tiny random model set under `root` (a ComfyUI models folder); returns where everything is.
 
-    Keys of the result: "root"; the single files "dit", "turbo_dit", "text_encoder", "tokenizer", "vae", "lora"; the
+    Keys of the result: "root"; the single files "dit", "turbo_dit", "text_encoder", "tokenizer", "vae", "lora",
+    "controlnet"; the
     diffusers repositories "diffusers_base", "diffusers_turbo". Existing files are overwritten. The same seed
     gives the same weights.
     """
@@ -461,6 +486,7 @@ def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
                               root / "text_encoders" / TEXT_ENCODER_FILE, bf16),
         "vae": _save(comfy_vae_state_dict(vae, TINY_VAE.num_res_blocks), root / "vae" / VAE_FILE, bf16),
         "lora": _save(lora_state_dict(TINY_DIT, seed + 4), root / "loras" / SPEED_LORA_FILE, bf16),
+        "controlnet": _save(controlnet_state_dict(TINY_DIT, seed + 5), root / "model_patches" / CONTROLNET_FILE, bf16),
     }
     tokenizer = root / "text_encoders" / (Path(TEXT_ENCODER_FILE).stem + "_tokenizer")  # found by find_tokenizer_dir
     shutil.rmtree(tokenizer, ignore_errors=True)

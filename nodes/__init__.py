@@ -4,6 +4,7 @@ saved workflows match widget values by position, so inputs are only ever appende
 
 from .bridge import ComfyExtension, io
 from .conditioning import QI21Reference, QI21TextEncode
+from .controlnet import QI21ControlNetApply, QI21ControlNetLoader
 from .decode import QI21VAEDecode
 from .encode import QI21VAEEncode
 from .loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
@@ -12,7 +13,8 @@ from .samplers import QI21Sampler, QI21TurboSampler
 from .schedule import QI21Sigmas
 
 NODES = [QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader, QI21Reference, QI21TextEncode, QI21Sampler,
-         QI21TurboSampler, QI21VAEDecode, QI21Sigmas, QI21VAEEncode, QI21LoraLoader]
+         QI21TurboSampler, QI21VAEDecode, QI21Sigmas, QI21VAEEncode, QI21LoraLoader, QI21ControlNetLoader,
+         QI21ControlNetApply]
 
 
 class QwenImage21Extension(ComfyExtension):

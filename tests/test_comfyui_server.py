@@ -50,7 +50,8 @@ import pytest
 import qi21_comfy_harness as harness  # tests/comfyui/, on sys.path through pyproject's pytest `pythonpath`
 
 NODE_IDS = ["QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader", "QI21Reference", "QI21TextEncode",
-            "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode", "QI21Sigmas", "QI21VAEEncode", "QI21LoraLoader"]
+            "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode", "QI21Sigmas", "QI21VAEEncode", "QI21LoraLoader",
+            "QI21ControlNetLoader", "QI21ControlNetApply"]
 MODEL_DTYPES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn"]
 REPORT_KEYS = {"prefix_tokens", "target_tokens", "batch", "steps", "cache", "cache_bytes", "cache_device",
                "prefill_seconds", "step_seconds"}
@@ -82,6 +83,11 @@ CONTRACT = {
                    [("denoise", "FLOAT")], ["SIGMAS"]),
     "QI21VAEEncode": ([("vae", "QI21_VAE"), ("image", "IMAGE")], [("mask", "MASK"), ("tiled", "COMBO")], ["LATENT"]),
     "QI21LoraLoader": ([("model", "QI21_MODEL"), ("lora_name", "COMBO"), ("strength", "FLOAT")], [], ["QI21_MODEL"]),
+    "QI21ControlNetLoader": ([("control_net_name", "COMBO"), ("weight_dtype", "COMBO")], [], ["QI21_CONTROL_NET"]),
+    "QI21ControlNetApply": ([("model", "QI21_MODEL"), ("control_net", "QI21_CONTROL_NET"), ("vae", "QI21_VAE"),
+                             ("strength", "FLOAT"), ("start_percent", "FLOAT"), ("end_percent", "FLOAT")],
+                            [("control_image", "IMAGE"), ("inpaint_image", "IMAGE"), ("mask", "MASK")],
+                            ["QI21_MODEL"]),
 }
 #: Options and defaults the contract fixes: (node, input) -> {key: value}.
 CONTRACT_OPTIONS = {
@@ -102,6 +108,10 @@ CONTRACT_OPTIONS = {
     ("QI21Sigmas", "steps"): {"default": 40},
     ("QI21Sigmas", "denoise"): {"default": 1.0},
     ("QI21LoraLoader", "strength"): {"default": 1.0, "min": -10.0, "max": 10.0},
+    ("QI21ControlNetLoader", "weight_dtype"): {"options": ["default", "bf16", "fp16", "fp32"], "default": "default"},
+    ("QI21ControlNetApply", "strength"): {"default": 1.0, "min": -10.0, "max": 10.0},
+    ("QI21ControlNetApply", "start_percent"): {"default": 0.0, "min": 0.0, "max": 1.0},
+    ("QI21ControlNetApply", "end_percent"): {"default": 1.0, "min": 0.0, "max": 1.0},
 }
 #: The tiny checkpoint set's files, as the loaders must list them (single files and diffusers folders).
 LISTED_MODELS = {
@@ -307,7 +317,7 @@ def _failure(server, entry) -> str:
 def check_report(report: dict, sampler: dict) -> None:
     inputs = sampler["inputs"]
     assert REPORT_KEYS <= set(report), f"qi21_report lacks {REPORT_KEYS - set(report)}: {report}"
-    optional = {"notes", "loras", "plan", "peak_bytes"}  # notes when there are any; loras with a LoRA; the plan
+    optional = {"notes", "loras", "plan", "peak_bytes", "control"}  # notes when there are any; loras with a LoRA; the plan
     assert set(report) <= REPORT_KEYS | optional, f"unexpected qi21_report keys: {set(report) - REPORT_KEYS}"
     assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
     assert isinstance(report["prefix_tokens"], int) and report["prefix_tokens"] > 0

@@ -300,3 +300,29 @@ def test_control_latent_channels_follow_core(vae):
     assert torch.equal(none[64], torch.zeros(GRID)) and torch.equal(none[65:], torch.zeros(64, *GRID))
     ignored = control_latents(vae, GRID, inpaint_image=inpaint)  # no mask: core drops the inpaint image
     assert torch.equal(ignored, torch.zeros(GRID[0] * GRID[1], 129))
+
+
+# -- the nodes -------------------------------------------------------------------------------------------------
+def test_nodes_load_apply_sample_and_report(models_root):
+    import graph_fixtures as gf
+    from qi21.nodes.controlnet import QI21ControlNetApply, QI21ControlNetLoader
+    from qi21.nodes.samplers import QI21TurboSampler
+
+    loaded = gf.load("turbo", "vae")
+    net = QI21ControlNetLoader.execute(tiny.CONTROLNET_FILE, "fp32")[0]
+    assert net.layout == "comfy" and net.source == tiny.CONTROLNET_FILE
+    assert "not in the model_patches folders" in QI21ControlNetLoader.validate_inputs(control_net_name="x.sft")
+    control, inpaint, mask = images()
+    apply = lambda **kw: QI21ControlNetApply.execute(loaded["turbo"], net, loaded["vae"], **kw)[0]  # noqa: E731
+    assert apply(strength=1.0) is loaded["turbo"]  # no control image and no mask: unchanged, as core does
+    assert "after end_percent" in QI21ControlNetApply.validate_inputs(start_percent=0.9, end_percent=0.1)
+    model = apply(strength=0.8, control_image=control, mask=mask)
+    cond = gf.synthetic_conditioning()
+    out = QI21TurboSampler.execute(model, cond, 0, 64, 64, 1, sigmas=SIGMAS[::4].clone())
+    report = out.ui["qi21_report"][0]
+    assert report["cache"] == "miss" and report["control"]["file"] == tiny.CONTROLNET_FILE
+    assert report["control"]["strength"] == 0.8 and report["control"]["inputs"] == ["control_image", "mask"]
+    assert report["control"]["cache_bytes"]["control"] * 2 == report["control"]["cache_bytes"]["base"]  # 1 of 2
+    samples = out[0]["samples"]
+    plain = QI21TurboSampler.execute(loaded["turbo"], cond, 0, 64, 64, 1, sigmas=SIGMAS[::4].clone())[0]["samples"]
+    assert torch.isfinite(samples).all() and (samples - plain).abs().max() > 1e-3

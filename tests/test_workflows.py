@@ -34,6 +34,7 @@ RELEASED_FILES = {
     "text_encoder_name": {"qwen3vl_8b_bf16.safetensors"},
     "vae_name": {"qwen_image_2.1_vae_bf16.safetensors"},
     "lora_name": {"qwen_image_2.1_speed_lora.safetensors"},  # the example's placeholder name (its note says so)
+    "control_net_name": {"qwen_image_2.1_fun_controlnet_union_bf16.safetensors"},
 }
 TURBO_FILES = {"qwen_image_2.1_turbo_bf16.safetensors"}
 NOTES = {"Note", "MarkdownNote"}
@@ -122,6 +123,10 @@ CORE = {
     "SetLatentNoiseMask": Sig("Set Latent Noise Mask", sockets=[("samples", "LATENT", False), ("mask", "MASK", False)],
                               outputs=[("LATENT", "LATENT")]),
     "ManualSigmas": Sig("ManualSigmas", widgets=[("sigmas", "STRING", _any_string)], outputs=[("SIGMAS", "SIGMAS")]),
+    "Canny": Sig("Detect Edges (Canny)", sockets=[("image", "IMAGE", False)],
+                 widgets=[("low_threshold", "FLOAT", _number_rule("FLOAT", 0.01, 0.99, 0.01)),
+                          ("high_threshold", "FLOAT", _number_rule("FLOAT", 0.01, 0.99, 0.01))],
+                 outputs=[("IMAGE", "IMAGE")]),
 }
 UI_ONLY_WIDGETS = {("LoadImage", "upload")}  # a button; its value is saved in the UI form only
 SIGS = {**CORE, **{n.define_schema().node_id: our_sig(n) for n in NODES}}
@@ -345,7 +350,7 @@ def source_of(workflow: dict, node: dict, input_name: str) -> tuple[dict, int] |
 def test_the_examples_come_in_both_forms_in_their_folders():
     """UI files at the top of workflows/ (the folder ComfyUI's template browser lists: `<pack>/workflows/*.json`),
     API files in workflows/api/ (not listed: an API prompt would not load as a workflow)."""
-    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 9
+    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 11
     assert [p.stem for p in API_FILES] == NAMES
     assert all("nodes" in read(p) and "links" in read(p) for p in UI_FILES)
     assert all(all("class_type" in node for node in read(p).values()) for p in API_FILES)
@@ -384,7 +389,7 @@ def test_each_sampler_gets_the_model_it_was_made_for(name):
     workflow = ui(name)
     for sampler in nodes_of(workflow, "QI21Sampler") + nodes_of(workflow, "QI21TurboSampler"):
         source = source_of(workflow, sampler, "model")[0]
-        while source["type"] == "QI21LoraLoader":  # a LoRA passes the loader's model on
+        while source["type"] in ("QI21LoraLoader", "QI21ControlNetApply"):  # a LoRA / control passes the model on
             source = source_of(workflow, source, "model")[0]
         model_file = ui_widget_values(source)["model_name"]
         assert (model_file in TURBO_FILES) == (sampler["type"] == "QI21TurboSampler"), name
@@ -631,7 +636,8 @@ def test_the_validators_catch_api_and_ui_forms_that_disagree(breakage):
 
 # -- download hints ----------------------------------------------------------------------------------------------
 LOADER_FOLDERS = {"QI21ModelLoader": ("model_name", "diffusion_models"),
-                  "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"), "QI21VAELoader": ("vae_name", "vae")}
+                  "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"), "QI21VAELoader": ("vae_name", "vae"),
+                  "QI21ControlNetLoader": ("control_net_name", "model_patches")}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -639,10 +645,10 @@ def test_every_loader_says_where_to_download_its_file(name, models_root):
     """Opening a shared workflow without the files offers their download, as core templates do: each loader node
     carries `properties.models` naming the file it loads, a folder the loader reads, and the official repackage's
     URL for that file; the name is one the loader lists (the released names, as in the tiny model set)."""
-    from qi21.nodes import loaders
+    from qi21.nodes import controlnet, loaders
 
     classes = {"QI21ModelLoader": loaders.QI21ModelLoader, "QI21TextEncoderLoader": loaders.QI21TextEncoderLoader,
-               "QI21VAELoader": loaders.QI21VAELoader}
+               "QI21VAELoader": loaders.QI21VAELoader, "QI21ControlNetLoader": controlnet.QI21ControlNetLoader}
     checked = 0
     for node in ui(name)["nodes"]:
         if node["type"] not in LOADER_FOLDERS:
@@ -652,8 +658,8 @@ def test_every_loader_says_where_to_download_its_file(name, models_root):
                                "options")
         file_name = ui_widget_values(node)[widget]
         entries = node["properties"].get("models")
-        assert entries == [{"name": file_name, "url": f"{builder.REPACKAGE_URL}/{folder}/{file_name}",
-                            "directory": folder}], node["type"]
+        base = builder.PATCHES_URL if folder == "model_patches" else f"{builder.REPACKAGE_URL}/{folder}"
+        assert entries == [{"name": file_name, "url": f"{base}/{file_name}", "directory": folder}], node["type"]
         assert file_name in listed and builder.REPACKAGE_URL.startswith("https://huggingface.co/Comfy-Org/")
         checked += 1
     assert checked >= 3

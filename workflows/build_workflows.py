@@ -40,7 +40,10 @@ REPACKAGE_URL = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main/sp
 MODEL_WIDGETS = {"QI21ModelLoader": ("model_name", "diffusion_models"),
                  "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"),
                  "QI21VAELoader": ("vae_name", "vae")}
-RELEASED_FILES = frozenset({BASE_MODEL, TURBO_MODEL, TEXT_ENCODER, VAE_FILE})
+CONTROLNET = "qwen_image_2.1_fun_controlnet_union_bf16.safetensors"  # Comfy-Org's repack of alibaba-pai's net
+#: Model patches sit in their own folder of the same repository, not under split_files/.
+PATCHES_URL = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main/model_patches"
+RELEASED_FILES = frozenset({BASE_MODEL, TURBO_MODEL, TEXT_ENCODER, VAE_FILE, CONTROLNET})
 #: The official wording for transparent output (the model's documentation): the description goes in the middle.
 RGBA_PROMPT = ("This is an RGBA image with transparency. {}. The image has alpha channel and the background is "
                "transparent.")
@@ -95,11 +98,17 @@ CORE_NODES = {spec.node_type: spec for spec in (
              outputs=(Port("LATENT", "LATENT"),)),
     NodeSpec("ManualSigmas", "ManualSigmas", widgets=(Widget("sigmas", "STRING", "1, 0.5"),),
              outputs=(Port("SIGMAS", "SIGMAS"),)),
+    NodeSpec("Canny", "Detect Edges (Canny)", sockets=(Port("image", "IMAGE"),),
+             widgets=(Widget("low_threshold", "FLOAT", 0.4), Widget("high_threshold", "FLOAT", 0.8)),
+             outputs=(Port("IMAGE", "IMAGE"),)),
 )}
 
 
 def model_downloads(node: "Node") -> list[dict]:
     """The front end's `properties.models` of a loader node: the file, its download URL and folder."""
+    if node.spec.node_type == "QI21ControlNetLoader":
+        name = node.values["control_net_name"]
+        return [{"name": name, "url": f"{PATCHES_URL}/{name}", "directory": "model_patches"}]
     if node.spec.node_type not in MODEL_WIDGETS:
         return []
     widget, folder = MODEL_WIDGETS[node.spec.node_type]
@@ -511,6 +520,61 @@ the official sigmas as a starting point.
 """, (0, 660), (420, 280))
 
 
+def _controlnet(g: Graph, model: Node, vae: Node, pos=(420, 380), **values) -> tuple[Node, Node]:
+    loader = g.add("QI21ControlNetLoader", (0, 660), (340, 110), control_net_name=CONTROLNET)
+    apply = g.add("QI21ControlNetApply", pos, (420, 230), **values)
+    g.link(model, "model", apply, "model")
+    g.link(loader, "control_net", apply, "control_net")
+    g.link(vae, "vae", apply, "vae")
+    return loader, apply
+
+
+def controlnet_canny(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    image = g.add("LoadImage", (420, 680), (320, 360), image="example.png")
+    edges = g.add("Canny", (780, 680), (300, 110), low_threshold=0.4, high_threshold=0.8)
+    g.link(image, "IMAGE", edges, "image")
+    preview = g.add("PreviewImage", (780, 840), (300, 260))
+    g.link(edges, "IMAGE", preview, "images")
+    _, apply = _controlnet(g, model, vae, strength=1.0)
+    g.link(edges, "IMAGE", apply, "control_image")
+    positive = _prompt(g, encoder, "A glass greenhouse full of tropical plants at sunset, warm light through the "
+                                   "panes, detailed photograph.")
+    sampler = _sampler(g, "QI21Sampler", apply, positive, steps=40, cfg=1.0, width=1024, height=1024)
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/controlnet_canny")
+    g.note("""
+## Qwen-Image 2.1 Fun ControlNet: canny edges
+
+*Load Image* -> core *Detect Edges (Canny)* -> *Apply Fun ControlNet*'s `control_image`; the model it returns
+goes to the sampler. The same net takes depth, pose (DWPose), HED, lineart, MLSD, scribble or grayscale maps:
+feed any such RGB map instead. The map is stretched to the sampler's size, so set width and height to your
+image's aspect. `strength` 1 is what the net was trained for (lower loosens the structure); the official
+settings are 40 steps, cfg 1. The sampler keeps its prefix cache on (about +50% cache memory for the control's
+own keys and values); its report lists the control and the cache bytes of each stream. The control net file
+goes in `models/model_patches` (the int8 ConvRot file works too).
+""", (0, 800), (400, 360))
+
+
+def controlnet_inpaint(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    image = g.add("LoadImage", (420, 680), (320, 360), image="example.png")
+    _, apply = _controlnet(g, model, vae, strength=1.0)
+    g.link(image, "IMAGE", apply, "inpaint_image")
+    g.link(image, "MASK", apply, "mask")
+    positive = _prompt(g, encoder, "A small wooden cabin with a lit window, in the same style as the rest of the "
+                                   "picture.")
+    sampler = _sampler(g, "QI21Sampler", apply, positive, steps=40, cfg=1.0, width=1024, height=1024)
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/controlnet_inpaint")
+    g.note("""
+## Qwen-Image 2.1 Fun ControlNet: inpainting with a mask
+
+Paint the area to regenerate in *Load Image*'s mask editor (right click -> Open in MaskEditor): its MASK (1 =
+regenerate) and the image go to *Apply Fun ControlNet*'s `mask` and `inpaint_image`. The net repaints the masked
+area to fit the rest, from the prompt. Set width and height to your image's size (the image and the mask are
+stretched to it). Connect a `control_image` as well (e.g. canny of the original) to steer the new content.
+""", (0, 800), (400, 300))
+
+
 WORKFLOWS = {
     "text_to_image_base": text_to_image_base,
     "text_to_image_turbo": text_to_image_turbo,
@@ -521,6 +585,8 @@ WORKFLOWS = {
     "img2img": img2img,
     "inpaint_with_a_mask": inpaint_with_a_mask,
     "manual_schedule": manual_schedule,
+    "controlnet_canny": controlnet_canny,
+    "controlnet_inpaint": controlnet_inpaint,
 }
 
 
