@@ -317,9 +317,14 @@ def _failure(server, entry) -> str:
 def check_report(report: dict, sampler: dict) -> None:
     inputs = sampler["inputs"]
     assert REPORT_KEYS <= set(report), f"qi21_report lacks {REPORT_KEYS - set(report)}: {report}"
-    optional = {"notes", "loras", "plan", "peak_bytes", "control"}  # notes when there are any; loras with a LoRA; the plan
+    # notes when there are any; loras with a LoRA; control with a Fun ControlNet; the plan
+    optional = {"notes", "loras", "plan", "peak_bytes", "control"}
     assert set(report) <= REPORT_KEYS | optional, f"unexpected qi21_report keys: {set(report) - REPORT_KEYS}"
     assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
+    if "control" in report:  # the control stream keeps the cache on: its own prefix K/V sit beside the base's
+        control = report["control"]
+        assert {"file", "strength", "window", "active_steps", "cache_bytes"} <= set(control), control
+        assert inputs.get("prefix_cache", "on") == "off" or control["cache_bytes"]["control"] > 0, control
     assert isinstance(report["prefix_tokens"], int) and report["prefix_tokens"] > 0
     assert isinstance(report["target_tokens"], int) and report["target_tokens"] > 0
     assert report["batch"] == inputs.get("batch_size", 1)
