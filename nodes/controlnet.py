@@ -6,7 +6,7 @@ from ..model.control import control_latents
 from ..model.loaders.controlnet import apply_controlnet, load_controlnet
 from . import bridge
 from .bridge import io
-from .loaders import _checked_path, _file_problem, _load
+from .loaders import _checked_path, _default_dtype, _file_problem, _load
 from .types import CATEGORY, VAE, ControlNet, Model
 from .validation import require, widget_problem
 
@@ -32,8 +32,9 @@ class QI21ControlNetLoader(io.ComfyNode):
                                tooltip="qwen_image_2.1_fun_controlnet_union_bf16.safetensors (7.6 GB) or "
                                        "..._int8_convrot.safetensors (3.8 GB), in models/model_patches."),
                 io.Combo.Input("weight_dtype", options=DTYPES, default="default",
-                               tooltip="default: the file's precision (bf16). It must match the model's compute "
-                                       "dtype (an fp8 or int8 model computes in bf16): the apply node says which."),
+                               tooltip="default: the file's precision (bf16; fp32 on a CPU, as the other loaders). "
+                                       "The control stream runs in this dtype whatever the model's; bf16 halves "
+                                       "the memory of fp32 at the accuracy the net was trained in."),
             ],
             outputs=[ControlNet.Output(display_name="control_net")],
         )
@@ -45,7 +46,8 @@ class QI21ControlNetLoader(io.ComfyNode):
     @classmethod
     def execute(cls, control_net_name, weight_dtype="default") -> io.NodeOutput:
         path = _checked_path(cls, "model_patches", control_net_name, weight_dtype=weight_dtype)
-        net = _load(load_controlnet, path, weight_dtype=weight_dtype, device=bridge.offload_device())
+        net = _load(load_controlnet, path, weight_dtype=_default_dtype(weight_dtype, bridge.compute_device()),
+                    device=bridge.offload_device())
         net.source = control_net_name
         bridge.log.info("qi21: loaded %s (Fun ControlNet, %s layout, %d blocks)", control_net_name, net.layout,
                         net.config.num_blocks)

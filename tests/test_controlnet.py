@@ -110,6 +110,19 @@ def test_int8_convrot_file_runs_quantized_close_to_its_dequantized_twin(files, p
     assert rel < 0.02, rel  # W8A8: activations are quantized per row too
 
 
+def test_a_bf16_net_runs_beside_an_fp32_model_in_its_own_dtype(files, net, pair):
+    _, model = pair
+    half = load_controlnet(files["alibaba"], weight_dtype="bf16")
+    assert half.compute_dtype == torch.bfloat16 and half.blocks[0].qkv.weight.dtype == torch.bfloat16
+    hint = lambda grid: torch.randn(grid[0] * grid[1], 129, generator=torch.Generator().manual_seed(0))  # noqa: E731
+    cond = conditioning()
+    on = sample(apply_controlnet(model, half, hint), cond, sigmas=SIGMAS[:3], width=WIDTH, height=HEIGHT)
+    full = sample(apply_controlnet(model, net, hint), cond, sigmas=SIGMAS[:3], width=WIDTH, height=HEIGHT)
+    assert on.latents.dtype == torch.float32 and on.report["control"]["cache_bytes"]["control"] * 4 == \
+        on.report["control"]["cache_bytes"]["base"]  # bf16 control K/V beside fp32 base K/V
+    assert ((on.latents - full.latents).abs().max() / full.latents.abs().max()).item() < 0.02
+
+
 def test_other_patches_and_models_are_refused_by_name(tmp_path, pair):
     zimage = cf.write(tmp_path / "z_image_fun.safetensors", {"control_all_x_embedder.2-1.weight": torch.zeros(4, 4)})
     with pytest.raises(CheckpointError, match="Z-Image Fun ControlNet"):

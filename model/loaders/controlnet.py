@@ -188,10 +188,6 @@ def apply_controlnet(model, net: FunControlNet, hint_for, strength: float = 1.0,
         raise ValueError("this model already has a Fun ControlNet applied; apply one per model (the control net "
                          "takes a control image and an inpaint mask together).")
     layers = net.check_fits(model.config, net.source or "the control net")
-    if net.compute_dtype != model.compute_dtype:
-        name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(model.compute_dtype)
-        raise ValueError(f"the control net computes in {net.compute_dtype}, the model in {model.compute_dtype}: load "
-                         f"the control net with weight_dtype {name or 'matching the model'}.")
     new = clone_tree(model)
     new.add_module("control_net", net)  # counted, moved and offloaded with the model (the copy's own child list)
     new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object

@@ -152,10 +152,10 @@ class ControlledPrefixCache:
 
 
 class ControlStream:
-    """The control stream of one forward; the DiT calls `start` before its first block and `after_base_block`
-    after each (model/transformer/dit.py). `hint` is the `(T, 129)` control latent of the target rows (one for all
-    samples: both CFG prompts and every seed read it); `cache` is the control's `PrefixKVCache` in a prefill or
-    cached step, None uncached."""
+    """The control stream of one forward, in the net's compute dtype; the DiT calls `start` before its first block
+    and `after_base_block` after each (model/transformer/dit.py). `hint` is the `(T, 129)` control latent of the
+    target rows (one for all samples: both CFG prompts and every seed read it); `cache` is the control's
+    `PrefixKVCache` in a prefill or cached step, None uncached."""
 
     def __init__(self, net: FunControlNet, layers: tuple[int, ...], hint: torch.Tensor, strength: float,
                  cache: PrefixKVCache | None = None):
@@ -165,18 +165,19 @@ class ControlStream:
 
     def start(self, x: torch.Tensor, mods: torch.Tensor, rows: Rows) -> None:
         """Keep the embedded sequence X (the base blocks change their buffer in place) and ready the cache."""
-        config = self.net.config
+        config, dtype = self.net.config, self.net.compute_dtype
         if rows.mode != "uncached" and self.cache is None:
             raise ValueError(f"a {rows.mode} step with a control net needs the control's prefix cache.")
         if rows.mode == "prefill":
-            self.cache.allocate(rows.prefix_lens, config.num_blocks, config.num_heads, config.head_dim, x.dtype,
+            self.cache.allocate(rows.prefix_lens, config.num_blocks, config.num_heads, config.head_dim, dtype,
                                 x.device)
         elif rows.mode == "cached":
             self.cache.check_compatible(rows.prefix_lens, config.num_blocks, config.num_heads, config.head_dim)
         if tuple(self.hint.shape) != (rows.target_len, config.control_in_dim):
             raise ValueError(f"the control latent is {tuple(self.hint.shape)}, the target needs "
                              f"({rows.target_len}, {config.control_in_dim}).")
-        self.x, self.mods, self.rows = x.clone(), mods, rows
+        # The stream runs in the net's own dtype (a bf16 net beside an fp32 model); its skips return in the model's.
+        self.x, self.mods, self.rows = x.to(dtype, copy=True), mods.to(dtype), rows
 
     def after_base_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Run the control block paired with base block `index` (if any) and add its skip to `x` in place."""
@@ -192,7 +193,7 @@ class ControlStream:
         skip += block.after_proj_bias
         if x.shape[0] != skip.shape[0]:  # the DiT's last block dropped its prefix rows
             skip = skip[rows.target_start :]
-        return x.add_(skip, alpha=self.strength)
+        return x.add_(skip.to(x.dtype), alpha=self.strength)
 
     def _first_input(self, block: ControlBlock) -> torch.Tensor:
         """`before_proj(J) + X`: the bias on every row, the projected control latent on each sample's target rows."""
