@@ -35,16 +35,18 @@ def build_net(blocks: int) -> FunControlNet:
 
 
 def timed_runs(model, cond, repeats: int) -> dict:
-    """{cache on?: (median seconds, result)} from alternating runs."""
+    """{cache on?: (median wall seconds, median process CPU seconds, result)} from alternating runs. With
+    `--threads 1` the CPU time is the work done, whatever else the machine runs."""
     times, results = {True: [], False: []}, {}
     width, height = SIZE
     for _ in range(repeats):
         for cache in (True, False):
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             result = sample(model, cond, sigmas=SIGMAS, width=width, height=height, seed=0, prefix_cache=cache)
-            times[cache].append(time.perf_counter() - start)
+            times[cache].append((time.perf_counter() - wall, time.process_time() - cpu))
             results[cache] = result
-    return {cache: (statistics.median(values), results[cache]) for cache, values in times.items()}
+    return {cache: (statistics.median(w for w, _ in values), statistics.median(c for _, c in values), results[cache])
+            for cache, values in times.items()}
 
 
 def mib(nbytes: int) -> str:
@@ -67,17 +69,19 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, {args.layers} base + "
           f"{args.layers // 2} control blocks, width 1024, heads 8x128, target {grid[0] * grid[1]} tokens, prefix "
           f"{cond.layout(grid).prefix_len} tokens (1 reference), {STEPS} steps, median of {args.repeats}")
-    print("loop | cache on s | cache off s (core) | on/off | cache bytes (per stream) | max |on - off|")
+    print("loop | cache on s | cache off s (core) | on/off wall | on/off CPU time | cache bytes (per stream) | "
+          "max |on - off|")
     with torch.inference_mode():
         for label, window in (("control, window [0, 1]", (0.0, 1.0)), ("control, window [0.2, 0.8]", (0.2, 0.8)),
                               ("no control", None)):
             patched = model if window is None else apply_controlnet(model, net, lambda g: hint, 1.0, *window)
             runs = timed_runs(patched, cond, args.repeats)
-            (on_s, on), (off_s, off) = runs[True], runs[False]
+            (on_s, on_cpu, on), (off_s, off_cpu, off) = runs[True], runs[False]
             streams = on.report.get("control", {}).get("cache_bytes", {"base": on.report["cache_bytes"]})
             diff = (on.latents - off.latents).abs().max()
             shown = ", ".join(f"{name} {mib(n)}" for name, n in streams.items())
-            print(f"{label} | {on_s:.2f} | {off_s:.2f} | {on_s / off_s:.3f} | {shown} | {diff:.1e}")
+            print(f"{label} | {on_s:.2f} | {off_s:.2f} | {on_s / off_s:.3f} | {on_cpu / off_cpu:.3f} | {shown} | "
+                  f"{diff:.1e}")
 
 
 if __name__ == "__main__":
