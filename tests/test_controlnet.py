@@ -19,6 +19,7 @@ from qi21.model.loaders.safetensors_io import CheckpointError
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
 from qi21.model.transformer.controlnet import percent_to_sigma
+from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.model.vae import QwenImage21VAE
 
 GRID = (4, 6)  # target latent cells (64 x 96 px)
@@ -339,3 +340,23 @@ def test_nodes_load_apply_sample_and_report(models_root):
     samples = out[0]["samples"]
     plain = QI21TurboSampler.execute(loaded["turbo"], cond, 0, 64, 64, 1, sigmas=SIGMAS[::4].clone())[0]["samples"]
     assert torch.isfinite(samples).all() and (samples - plain).abs().max() > 1e-3
+
+
+def test_an_interrupt_mid_window_frees_both_streams_caches(pair, net):
+    _, model = pair
+    made = []
+
+    def new_cache():
+        made.append(PrefixKVCache())
+        return made[-1]
+
+    def interrupt(info):
+        if info.step == 3:
+            raise KeyboardInterrupt
+
+    hint = lambda grid: torch.zeros(grid[0] * grid[1], 129)  # noqa: E731
+    patched = apply_controlnet(model, net, hint, 1.0, 0.2, 0.8)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        sample(patched, conditioning(), sigmas=SIGMAS, width=WIDTH, height=HEIGHT, callback=interrupt,
+               new_cache=new_cache)
+    assert len(made) == 3 and not any(cache.filled for cache in made)  # plain, controlled base, control
