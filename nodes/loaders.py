@@ -13,7 +13,7 @@ from ..model.loaders.checkpoint import WEIGHT_DTYPES
 from ..model.loaders.dit import load_dit
 from ..model.loaders.text_encoder import load_text_encoder
 from ..model.loaders.vae import load_vae
-from ..model.memory.planner import PLACEMENTS
+from ..model.memory.planner import PLAN_CHOICES
 from . import bridge
 from .bridge import io
 from .placement import PLAN_TOOLTIP
@@ -98,7 +98,7 @@ class QI21ModelLoader(io.ComfyNode):
                                tooltip="Prefill attention. auto = sdpa: exact, no compilation. flex runs the "
                                        "block-causal prefill in one compiled call (CUDA); first use compiles for a "
                                        "while."),
-                io.Combo.Input("plan", options=list(PLACEMENTS), default="auto", optional=True,
+                io.Combo.Input("plan", options=list(PLAN_CHOICES), default="auto", optional=True,
                                tooltip=PLAN_TOOLTIP),
             ],
             outputs=[Model.Output(display_name="model")],
@@ -115,7 +115,7 @@ class QI21ModelLoader(io.ComfyNode):
         weight_dtype = _default_dtype(weight_dtype, bridge.compute_device())
         model = load_or_free(load_dit, path, weight_dtype=weight_dtype, device=bridge.offload_device(),
                              attention=attention)
-        model.placement = plan  # read by the samplers' memory planner (nodes/placement.py)
+        model.plan_choice = plan  # read by the samplers' memory planner (nodes/placement.py)
         bridge.log.info("qi21: loaded %s (%s layout, variant %s from %s)", path.name, model.source.layout,
                         model.source.variant, model.source.variant_from)
         return io.NodeOutput(model)
