@@ -41,8 +41,8 @@ def memory_budget(device, modules=(), tensors=()) -> Budget:
     return Budget(**bridge.memory_figures(device, modules=modules, tensors=tensors))
 
 
-def load(module: torch.nn.Module, layers=(), streamed=(), on_unload=None, memory_required: int = 0,
-         what: str = "DiT") -> torch.device:
+def place(module: torch.nn.Module, layers=(), streamed=(), on_unload=None, memory_required: int = 0,
+          what: str = "DiT") -> torch.device:
     """`module` on the compute device with `layers[i]`, i in `streamed`, left in (pinned) host memory for the
     streamer: through ComfyUI's model management when it takes it, by hand otherwise."""
     streamed = tuple(streamed)
@@ -66,7 +66,7 @@ def on_device(module: torch.nn.Module, device: torch.device | None = None, offlo
     device = torch.device(device) if device is not None else bridge.compute_device()
     managed = bridge.HAVE_COMFY and device.type != "cpu" and device == bridge.compute_device()
     if managed:
-        device = load(module, layers, streamed, memory_required=memory_required, what=type(module).__name__)
+        device = place(module, layers, streamed, memory_required=memory_required, what=type(module).__name__)
     else:
         if device.type != "cpu":
             bridge.free_memory(tensor_bytes(module_tensors(module)) + memory_required, device)
@@ -128,8 +128,8 @@ class Sampling:
         self.store.set_free(plan.store_budget)  # kept caches beside this run: from what is free, not a constant
         resident = self.weights.total - self.weights.streamed_bytes(plan.streamed)
         beside = plan.sampling_peak - resident  # the run's activations, cache and streaming slots
-        device = load(self.model, self.model.blocks, plan.streamed, on_unload=dit_unloaded,
-                      memory_required=max(0, beside))
+        device = place(self.model, self.model.blocks, plan.streamed, on_unload=dit_unloaded,
+                       memory_required=max(0, beside))
         measure = device.type == "cuda"
         if measure:
             torch.cuda.reset_peak_memory_stats(device)

@@ -349,7 +349,7 @@ SAMPLER_ERRORS = [
 def test_sampler_settings_are_refused_before_the_model_moves(loaded, positive, monkeypatch, node, change, says):
     """Linked values and scripts reach `execute` without ComfyUI's validation, so it checks again, first."""
     model = loaded["model" if node is QI21Sampler else "turbo"]
-    for owner, moves_the_model in ((placement, "on_device"), (placement, "load"), (bridge, "load_managed")):
+    for owner, moves_the_model in ((placement, "on_device"), (placement, "place"), (bridge, "load_managed")):
         monkeypatch.setattr(owner, moves_the_model, _forbid)
     monkeypatch.setattr(samplers, "initial_noise", _forbid)
     kwargs = dict(BASE_DEFAULTS if node is QI21Sampler else TURBO_DEFAULTS, **change)
