@@ -4,9 +4,9 @@ samplers then run the control on the steps of its window and keep the prefix cac
 
 from ..model.control import control_latents
 from ..model.loaders.controlnet import apply_controlnet, load_controlnet
-from . import bridge
+from . import bridge, placement
 from .bridge import io
-from .loaders import _checked_path, _default_dtype, _file_problem, _load
+from .loaders import checked_path, default_dtype, file_problem, load_or_free
 from .types import CATEGORY, VAE, ControlNet, Model
 from .validation import require, widget_problem
 
@@ -41,12 +41,12 @@ class QI21ControlNetLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, control_net_name=None, **kwargs):
-        return _file_problem(cls, "model_patches", control_net_name, **kwargs)
+        return file_problem(cls, "model_patches", control_net_name, **kwargs)
 
     @classmethod
     def execute(cls, control_net_name, weight_dtype="default") -> io.NodeOutput:
-        path = _checked_path(cls, "model_patches", control_net_name, weight_dtype=weight_dtype)
-        net = _load(load_controlnet, path, weight_dtype=_default_dtype(weight_dtype, bridge.compute_device()),
+        path = checked_path(cls, "model_patches", control_net_name, weight_dtype=weight_dtype)
+        net = load_or_free(load_controlnet, path, weight_dtype=default_dtype(weight_dtype, bridge.compute_device()),
                     device=bridge.offload_device())
         net.source = control_net_name
         bridge.log.info("qi21: loaded %s (Fun ControlNet, %s layout, %d blocks)", control_net_name, net.layout,
@@ -114,7 +114,7 @@ class QI21ControlNetApply(io.ComfyNode):
             bridge.log.warning("qi21 Fun ControlNet: inpaint_image is ignored without a mask (as core does).")
 
         def hint_for(grid):
-            with bridge.on_device(vae):
+            with placement.on_device(vae):
                 return control_latents(vae, grid, control_image, inpaint_image, mask)
 
         return io.NodeOutput(apply_controlnet(model, control_net, hint_for, strength, start_percent, end_percent,
