@@ -19,6 +19,7 @@ from qi21.model.loaders.safetensors_io import CheckpointError
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
 from qi21.model.transformer.controlnet import percent_to_sigma
+from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
 from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.model.vae import QwenImage21VAE
 
@@ -138,10 +139,13 @@ def test_other_patches_and_models_are_refused_by_name(tmp_path, pair):
 
 
 def test_a_net_for_another_model_is_refused(net):
-    _, small = cf.tiny_pair4()
-    small.config = type(small.config)(num_layers=3, num_heads=2, head_dim=32, context_in_dim=48)
+    with torch.device("meta"):
+        three = QwenImage21DiT(DiTConfig(num_layers=3, num_heads=2, head_dim=32, context_in_dim=48))
+        wide = QwenImage21DiT(DiTConfig(num_layers=4, num_heads=4, head_dim=32, context_in_dim=48))
     with pytest.raises(ValueError, match="2 blocks does not fit a DiT of 3"):
-        apply_controlnet(small, net, lambda grid: None)
+        apply_controlnet(three, net, lambda grid: None)
+    with pytest.raises(ValueError, match="2 heads of 32.*the model 4 of 32"):
+        apply_controlnet(wide, net, lambda grid: None)
 
 
 # -- the forward against the facts ------------------------------------------------------------------------------
