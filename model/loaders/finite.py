@@ -30,10 +30,10 @@ def nonfinite(tensor: torch.Tensor) -> bool:
     return not bool(torch.isfinite(low) & torch.isfinite(high))
 
 
-def check_finite(tensor: torch.Tensor, what: str, where: str, instead: str = "") -> None:
-    """Raise a CheckpointError naming the file (`where`) and the tensor (`what`) when `tensor` is not finite."""
+def check_finite(tensor: torch.Tensor, what: str, where: str, instead: str = "", error=CheckpointError) -> None:
+    """Raise `error` naming the file (`where`) and the tensor (`what`) when `tensor` is not finite."""
     if nonfinite(tensor):
-        raise CheckpointError(
+        raise error(
             f"{where}: {what} holds NaN or infinite values, which would turn every image into NaN at the first step. "
             f"The file is damaged or was written by a broken tool; download it again{instead}."
         )

@@ -177,7 +177,7 @@ def load_gguf_dit(path, weight_dtype: str = "default", device="cpu", attention: 
         arch = _check_architecture(gguf, reader, table.keys(), where)
         keys = rename_keys(table, strip_prefix, where)  # {key without the ComfyUI prefix: key in the file}
         tensors = {key: TensorInfo(table[file_key][0], table[file_key][1], path) for key, file_key in keys.items()}
-        config = infer_config(tensors, f"{where} (GGUF, general.architecture = {arch!r})")
+        config = infer_config(tensors, f"{where} (GGUF, general.architecture = {shown(arch)})")
         plan = file_plan(config, "transformer_blocks.0.img_mlp.gate_up.weight" in tensors)
         check_shapes(plan, tensors, config, where)
         _check_types(table, keys, where)
@@ -261,7 +261,7 @@ def _segment(entries: dict, keys: list[str], qtype: str, in_features: int, devic
     for key in keys:
         count = entries[key][2] // size
         _owned(target[first : first + count], entries[key][3])
-        check_finite(block_scales(qtype, target[first : first + count]), f"{key}'s {qtype} block scales", where)
+        check_finite(block_scales(qtype, target[first : first + count]), f"{key} (its {qtype} block scales)", where)
         first += count
     return target
 

@@ -363,7 +363,7 @@ def _check_pair(where: str, module: str, roles: dict, down: torch.Tensor, up: to
     """Both matrices finite, and the scaled product within MAX_DELTA: a bound from the two peaks first (two
     reductions), the exact product only when the bound is exceeded."""
     for role, matrix in (("down", down), ("up", up)):
-        check_finite(matrix, roles[role], where, "; nothing was applied")
+        check_finite(matrix, roles[role], where, "; nothing was applied", LoraError)
     bound = abs(scale) * down.shape[0] * _peak(down) * _peak(up)
     if bound <= MAX_DELTA:
         return
