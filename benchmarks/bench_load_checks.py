@@ -69,8 +69,9 @@ except Exception as error:
     outcome = type(error).__name__ + ": " + str(error)[:150]
 seconds = time.perf_counter() - started
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(f"{{seconds:.3f}} s, peak RSS {{peak / 1024:.0f}} MiB (+{{(peak - before) / 1024:.1f}} over the process after its "
-      f"imports) -> {{outcome}}")
+grew = (peak - before) / 1024
+print(f"{{seconds:.3f}} s, peak RSS {{peak / 1024:.0f}} MiB (+{{grew:.1f}} over the process after its imports) "
+      f"-> {{outcome}}")
 """
 PACKAGE_ONLY = r"""
 import resource, time
