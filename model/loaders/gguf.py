@@ -2,7 +2,7 @@
 
 The file's header and tensor table are read with the `gguf` package's `GGUFReader` (imported only here, and
 only when a GGUF file is loaded), which memory-maps the file. What the file is follows from its table alone,
-with the safetensors loader's own rules (`dit_loading`): the key plan (ComfyUI names, fused `img_mlp.gate_up`,
+with the safetensors loader's own rules (`dit_keys.py`): the key plan (ComfyUI names, fused `img_mlp.gate_up`,
 with or without `model.diffusion_model.`), the config inferred from shapes, Base vs Turbo from the file name.
 The file's structure is pre-scanned with bounds first (`gguf_scan.py`: metadata sizes, tensor layout, truncation),
 so no file can make the package's reader walk gigabytes of metadata. A file of another architecture, a tensor
