@@ -113,7 +113,7 @@ def _descriptions(tensors: dict[str, TensorInfo], metadata: dict, read: Callable
             raise CheckpointError(f"{where}: {source} does not describe a quantized layer (a JSON object with a "
                                   "\"format\"); the file is damaged. Download it again.")
         if layer in found and found[layer].get("format") != description["format"]:
-            raise CheckpointError(f"{where}: {shown(layer)} is described as {shown(found[layer]['format'])} and as "
+            raise CheckpointError(f"{where}: {layer} is described as {shown(found[layer]['format'])} and as "
                                   f"{shown(description['format'])}; the file contradicts itself. Download it again.")
         found[layer] = {**found.get(layer, {}), **description}
 
@@ -384,7 +384,7 @@ def _check_runnable(formats: dict[str, str], where: str, instead: str) -> None:
             )
         if fmt not in FORMATS:
             raise CheckpointError(
-                f"{where}: {shown(layer)} is quantized as {shown(fmt)}, a format this pack does not know (it runs "
+                f"{where}: {layer} is quantized as {shown(fmt)}, a format this pack does not know (it runs "
                 f"{', '.join(FORMATS)}). Use {instead} instead."
             )
     ck = kitchen(f"{where} is a quantized checkpoint ({', '.join(sorted(formats))}); its layers")
@@ -447,7 +447,8 @@ def plan_quantization(tensors: dict[str, TensorInfo], metadata: dict, read: Call
     for layer, description in sorted(descriptions.items()):
         weight_key = layer + ".weight"
         if weight_key not in tensors:
-            raise CheckpointError(f"{where}: the file describes a quantized layer {layer} but has no {weight_key}. "
+            raise CheckpointError(f"{where}: the file describes a quantized layer {shown(layer)} but has no "
+                                  f"{shown(weight_key)}. "
                                   f"Download it again, or use {instead}.")
         if not used(weight_key):
             consumed.add(weight_key)

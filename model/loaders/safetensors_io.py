@@ -31,6 +31,9 @@ _REDOWNLOAD = "The file is damaged or was written by a broken tool; download it 
 #: The most characters of any text taken from a file (a key, a metadata string) that a message quotes: a hostile
 #: file's 16 MiB name would otherwise be copied whole into the error, the log and ComfyUI's /history.
 SHOWN_CHARS = 120
+#: The longest tensor name read (real ones are under 100 characters: `model.diffusion_model.transformer_blocks.59.
+#: attn.to_out.0.weight_scale`), so every message that lists a few keys stays short.
+MAX_KEY_CHARS = 1024
 
 
 def shown(text, limit: int = SHOWN_CHARS) -> str:
@@ -155,6 +158,9 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
         raise CheckpointError(f"{path.name}: the header's __metadata__ is not a map of strings. {_REDOWNLOAD}")
     tensors, spans = {}, []
     for name, entry in header.items():
+        if len(name) > MAX_KEY_CHARS:  # every later message may quote a key: none is longer than this
+            raise CheckpointError(f"{path.name}: tensor name {shown(name)} is longer than any weight's name "
+                                  f"({MAX_KEY_CHARS:,} characters at most). {_REDOWNLOAD}")
         tensors[name], begin, end = _entry(name, entry, path)
         spans.append((begin, end, name))
     # Tensors must tile the data section exactly, in offset order: no gap, no overlap (what safetensors checks).
