@@ -18,9 +18,8 @@ from safetensors.torch import save_file
 
 gguf = pytest.importorskip("gguf")
 
-from test_gguf import comfy_tensors, encode, random_model, velocity  # noqa: E402
-
 from qi21.model.loaders.dit import load_dit  # noqa: E402
+from test_gguf import comfy_tensors, encode, random_model, velocity  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 #: publisher -> (general.architecture or None, key prefix, fused MLP)
