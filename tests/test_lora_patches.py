@@ -264,3 +264,17 @@ def test_every_weight_format_takes_the_deltas_without_touching_its_weights(tiny_
     assert out.dtype == dtype and torch.isfinite(out).all() and (out - plain).abs().max() > 0
     release_branches(with_lora)  # what the sampler's unload hook calls: the dense copies go
     assert all(not a._plans for m in with_lora.modules() for a in getattr(m, "adapters", ()))
+
+    # a .set_weight on block 0's to_k (rows W..2W of the fused qkv) over it: one dense Linear, the other rows the
+    # stored weight as it dequantizes plus the Turbo LoRA's branches on them, the set rows the file's tensor
+    width = model.config.width
+    new_k = torch.randn(width, width) / 8
+    set_path = write(tmp_path / "set.safetensors", {PREFIX + "transformer_blocks.0.attn.to_k.set_weight": new_k})
+    replaced = apply_lora(with_lora, set_path, 1.0)
+    dense, before = replaced.blocks[0].qkv, with_lora.blocks[0].qkv
+    assert type(dense) is Linear and dense.adapters == () and model.blocks[0].qkv is not dense
+    expected = before.weight_rows(0, 3 * width, torch.float32)
+    for adapter in before.adapters:
+        expected = expected + adapter.dense(0, 3 * width, "cpu")
+    expected[width : 2 * width] = new_k
+    torch.testing.assert_close(dense.weight.float(), expected.to(dense.weight.dtype).float(), rtol=0, atol=0)
