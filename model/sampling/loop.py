@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from einops import rearrange
 
 from ..conditioning import Conditioning
 from ..latents import LATENT_CHANNELS, latent_shape
@@ -69,11 +70,11 @@ def initial_noise(seed: int, batch: int, height: int, width: int) -> torch.Tenso
 
 
 def _pack(latents: torch.Tensor) -> torch.Tensor:
-    return latents.flatten(2).transpose(1, 2)  # (B, 64, h, w) -> (B, h*w, 64), row-major tokens
+    return rearrange(latents, "b c h w -> b (h w) c")  # row-major tokens
 
 
 def _unpack(tokens: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *shape)
+    return rearrange(tokens, "b (h w) c -> b c h w", h=shape[0], w=shape[1])
 
 
 def _match(tensor: torch.Tensor, batch: int, grid: tuple[int, int], name: str, channels: int = LATENT_CHANNELS):

@@ -1,4 +1,4 @@
-"""Inputs that arrive through links, and text-encoder work without a bound (issue "Reliability II").
+"""Inputs that arrive through links, and text-encoder work without a bound.
 
 - ComfyUI validates a prompt before it runs, when a linked input has no value yet: `validate_inputs` receives None
   for it (`execution.py`, `get_input_data` marks it missing). A validator that compares None (`None < 1`) or looks
