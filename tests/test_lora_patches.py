@@ -104,13 +104,23 @@ def base_pair(tiny_models):
 
 
 # -- exactness ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["standard", "full_diff"])
+def kohya(tensors) -> dict[str, torch.Tensor]:
+    """The same file under kohya's names (`lora_unet_` + the module path with underscores)."""
+    out = {}
+    for key, value in tensors.items():
+        module, dot, part = key.removeprefix(PREFIX).partition(".lora_")
+        module, part = (module, "lora_" + part) if dot else key.removeprefix(PREFIX).rsplit(".", 1)
+        out["lora_unet_" + module.replace(".", "_") + "." + part] = value
+    return out
+
+
+@pytest.mark.parametrize("kind", ["standard", "full_diff", "standard, kohya names"])
 def test_a_comfyui_turbo_extract_on_base_equals_the_merged_weights(base_pair, tiny_models, tmp_path, kind):
     reference, ours = base_pair
-    tensors = extract(tiny_models, kind)
+    tensors = extract(tiny_models, kind.split(",")[0])
     assert any(k.endswith("norm_q.diff") for k in tensors) and any(k.endswith("text_norm.diff") for k in tensors)
     assert (kind == "full_diff") != any(k.endswith(".lora_up.weight") for k in tensors)
-    path = write(tmp_path / f"{kind}.safetensors", tensors)
+    path = write(tmp_path / "extract.safetensors", kohya(tensors) if "kohya" in kind else tensors)
     base = comfy_state(tiny_models["dit"])
     deltas = file_deltas(tensors)
     assert len(deltas) == len(base)  # every weight of the DiT is patched, norms included
