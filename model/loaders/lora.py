@@ -33,7 +33,7 @@ from ..layers.lora import LowRankBranch
 from ..transformer.dit import DiTConfig, QwenImage21DiT
 from .checkpoint import FILE_DTYPES, FP8_FILE_DTYPES, CheckpointError, WeightReader, read_header
 from .dit_keys import file_plan
-from .lora_patches import WeightPatch, apply_patches, bias_note, patch_role, plan_patches
+from .lora_patches import PATCH_PARTS, WeightPatch, apply_patches, bias_note, patch_role, plan_patches
 
 
 class LoraError(CheckpointError):
@@ -70,7 +70,7 @@ PARTS = {
     ".alpha": "alpha",
 }
 _PART_SUFFIXES = sorted(PARTS, key=len, reverse=True)  # longest first: ".lora_A.weight" before ".lora_A"
-PATCH_ROLES = ("diff", "diff_b", "set", "w_norm", "b_norm")  # lora_patches.PATCH_PARTS' roles
+PATCH_ROLES = tuple(PATCH_PARTS.values())  # the roles of full-weight patch tensors (lora_patches.py)
 
 #: Tensors that change what a pair means: applying the pair without them would be another LoRA, so a file with
 #: them on a layer we would patch is refused.
