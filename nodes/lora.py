@@ -26,8 +26,10 @@ class QI21LoraLoader(io.ComfyNode):
             category=CATEGORY,
             description="Applies a Qwen-Image 2.1 LoRA (diffusers/PEFT, kohya/musubi, ComfyUI or LyCORIS LoCon keys) "
                         "to the model. The input model is not changed and no weight is copied: the LoRA runs as a "
-                        "low-rank branch next to the weights, exact on bf16, fp16, fp32 and fp8 models. Chain nodes "
-                        "to stack LoRAs; the sampler's report lists them.",
+                        "low-rank branch next to the weights, exact on bf16, fp16, fp32, fp8, quantized and GGUF "
+                        "models. Full-weight patches in the file (.diff, .set_weight, as ComfyUI's LoRA extraction "
+                        "writes them) apply as in ComfyUI. Chain nodes to stack LoRAs; the sampler's report lists "
+                        "them.",
             inputs=[
                 Model.Input("model"),
                 io.Combo.Input("lora_name", options=bridge.model_choices("loras"),

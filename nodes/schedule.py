@@ -1,20 +1,25 @@
 """The schedule as a core SIGMAS value, for ComfyUI's sigma nodes (SplitSigmas, FlipSigmas, ...) and the samplers'
 `sigmas` input."""
 
+import dataclasses
+
 from ..model.latents import DEFAULT_SIZE
 from ..model.sampling.img2img import denoise_problem, denoise_tail, fixed_tail
-from ..model.sampling.schedule import base_sigmas, turbo_sigmas
+from ..model.sampling.schedule import BASE_CONFIG, base_sigmas, turbo_sigmas
 from .bridge import io
 from .types import CATEGORY
 from .validation import refuse_unknown_inputs, require, widget_problem
 
 
-def schedule_sigmas(schedule: str, steps: int, width: int, height: int, denoise: float = 1.0):
-    """The samplers' own schedule: Base (shifted by the image size; 0 = 1024) or Turbo's stored grid."""
+def schedule_sigmas(schedule: str, steps: int, width: int, height: int, denoise: float = 1.0,
+                    shift_terminal: float = BASE_CONFIG.shift_terminal):
+    """The samplers' own schedule: Base (shifted by the image size; 0 = 1024; stretched to end on `shift_terminal`,
+    0 = no stretch) or Turbo's stored grid."""
     if schedule == "turbo":
         return fixed_tail(turbo_sigmas(), denoise)
     width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE
-    return denoise_tail(lambda n: base_sigmas(n, width, height), steps, denoise)
+    config = dataclasses.replace(BASE_CONFIG, shift_terminal=shift_terminal or None)
+    return denoise_tail(lambda n: base_sigmas(n, width, height, config), steps, denoise)
 
 
 class QI21Sigmas(io.ComfyNode):
@@ -41,6 +46,11 @@ class QI21Sigmas(io.ComfyNode):
                 io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Below 1: the last steps of a longer schedule, as ComfyUI's schedulers do "
                                        "(img2img). For turbo: the last round(8 * denoise) of its 8 steps."),
+                io.Float.Input("shift_terminal", default=BASE_CONFIG.shift_terminal, min=0.0, max=0.5, step=0.01,
+                               optional=True,
+                               tooltip="Base only: the last sigma before 0 that the schedule is stretched to (the "
+                                       "official 0.02). 0 = no stretch: the size-shifted schedule as is, which "
+                                       "lightx2v's Lightning LoRA was trained with."),
             ],
             outputs=[io.Sigmas.Output(display_name="SIGMAS")],
         )
@@ -57,7 +67,9 @@ class QI21Sigmas(io.ComfyNode):
         return widget_problem(cls, denoise=denoise, **kwargs)
 
     @classmethod
-    def execute(cls, schedule, steps, width, height, denoise=1.0, **unknown) -> io.NodeOutput:
+    def execute(cls, schedule, steps, width, height, denoise=1.0,
+                shift_terminal=BASE_CONFIG.shift_terminal, **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
-        require(cls.validate_inputs(schedule=schedule, steps=steps, width=width, height=height, denoise=denoise))
-        return io.NodeOutput(schedule_sigmas(schedule, steps, width, height, denoise))
+        require(cls.validate_inputs(schedule=schedule, steps=steps, width=width, height=height, denoise=denoise,
+                                    shift_terminal=shift_terminal))
+        return io.NodeOutput(schedule_sigmas(schedule, steps, width, height, denoise, shift_terminal))

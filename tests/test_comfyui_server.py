@@ -25,6 +25,7 @@ Set-up, as done on the development machine (CPU only, ComfyUI 2026-08, commit 78
     echo torch==2.13.0 > /tmp/torch_pin.txt
     /work/comfyvenv/bin/pip install -c /tmp/torch_pin.txt -r /tmp/comfy_req.txt
     /work/comfyvenv/bin/pip install --no-deps spandrel
+    /work/comfyvenv/bin/pip install gguf   # for the GGUF test (ComfyUI-GGUF users have it); skipped without it
     #    (this pack's runtime dependencies, safetensors transformers numpy pillow, come with those;
     #    torchvision and torchaudio are replaced by the empty stand-ins of tests/comfyui/stubs/, put on the
     #    server's PYTHONPATH by the fixture only when that venv cannot import them)
@@ -80,7 +81,7 @@ CONTRACT = {
                           ("latent_image", "LATENT"), ("denoise", "FLOAT"), ("add_noise", "BOOLEAN")], ["LATENT"]),
     "QI21VAEDecode": ([("vae", "QI21_VAE"), ("samples", "LATENT")], [("tiled", "COMBO")], ["IMAGE", "MASK", "IMAGE"]),
     "QI21Sigmas": ([("schedule", "COMBO"), ("steps", "INT"), ("width", "INT"), ("height", "INT")],
-                   [("denoise", "FLOAT")], ["SIGMAS"]),
+                   [("denoise", "FLOAT"), ("shift_terminal", "FLOAT")], ["SIGMAS"]),
     "QI21VAEEncode": ([("vae", "QI21_VAE"), ("image", "IMAGE")], [("mask", "MASK"), ("tiled", "COMBO")], ["LATENT"]),
     "QI21LoraLoader": ([("model", "QI21_MODEL"), ("lora_name", "COMBO"), ("strength", "FLOAT")], [], ["QI21_MODEL"]),
 }
@@ -603,6 +604,68 @@ def test_a_hostile_file_or_widget_is_refused_and_the_next_run_equals_a_clean_one
     assert time.monotonic() - started < 60 and len(message) < 20_000
     assert _normal_run(comfyui_server, HOSTILE_SEEDS[case]) == clean_images[case], \
         f"after {case}, a normal run differs from the same run before it"
+def _api_prompt(stem: str) -> dict:
+    path = next((p for p in API_FILES if p.stem == stem), None)
+    if path is None:
+        pytest.skip(f"no {stem} API workflow")
+    return harness.shrink_prompt(json.loads(path.read_text()))[0]
+
+
+def _pixels(server, entry, prompt):
+    import numpy as np
+    from PIL import Image
+
+    (save_id,) = [i for i, node in prompt.items() if node["class_type"] == "SaveImage"]
+    (image,) = entry["outputs"][save_id]["images"]
+    return np.asarray(Image.open(_io.BytesIO(server.view(image))))
+
+
+def test_the_turbo_lora_workflow_applies_a_comfyui_extraction_style_lora(comfyui_server):
+    """Base + the tiny set's Turbo LoRA (written as ComfyUI's LoRA extraction writes it: low-rank pairs, `.diff`
+    for the norms and for img_in / proj_out / linear_1) on Turbo's sigmas: every patch applied (no note), and
+    the image is not the plain Base model's on the same sigmas."""
+    prompt = _api_prompt("base_turbo_lora")
+    entry = comfyui_server.run_prompt(prompt)
+    assert entry["status"]["status_str"] == "success", _failure(comfyui_server, entry)
+    (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] == "QI21Sampler"]
+    (lora_id,) = [i for i, node in prompt.items() if node["class_type"] == "QI21LoraLoader"]
+    report = entry["outputs"][sampler_id]["qi21_report"][0]
+    assert report["loras"] == [{"name": prompt[lora_id]["inputs"]["lora_name"], "strength": 1.0}]
+    assert "notes" not in report and report["steps"] == TURBO_STEPS
+    with_lora = _pixels(comfyui_server, entry, prompt)
+    prompt[sampler_id]["inputs"]["model"] = prompt[lora_id]["inputs"]["model"]  # the same graph without the LoRA
+    entry = comfyui_server.run_prompt(prompt)
+    assert entry["status"]["status_str"] == "success", _failure(comfyui_server, entry)
+    assert (with_lora != _pixels(comfyui_server, entry, prompt)).any()
+
+
+def test_a_gguf_dit_of_each_layout_in_the_wild_runs_the_same_image(comfyui_server):
+    """The tiny Base as a Q8_0 GGUF in ComfyUI-GGUF's layout and in the three layouts in the wild (leejet: no
+    general.architecture; abenzerps: qwen_image21, split MLP; unsloth: model.diffusion_model. keys), each through
+    /prompt in the Base workflow: all run, and give the same PNG."""
+    if harness.missing_modules(comfyui_server.python, ["gguf"]):
+        pytest.skip(f"the server's python ({comfyui_server.python}) has no gguf package: pip install gguf")
+    from safetensors.torch import load_file
+
+    from test_gguf_layouts import LAYOUTS, write_layout
+
+    folder = comfyui_server.base / "models" / "diffusion_models"
+    tensors = {k: v.float().numpy() for k, v in load_file(str(folder / "qwen_image_2.1_bf16.safetensors")).items()}
+    prompt = _api_prompt("text_to_image_base")
+    (loader_id,) = [i for i, node in prompt.items() if node["class_type"] == "QI21ModelLoader"]
+    (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] == "QI21Sampler"]
+    images = {}
+    for layout in LAYOUTS:
+        name = f"qwen_image_2.1-{layout.split()[0]}-Q8_0.gguf"
+        write_layout(folder / name, tensors, layout, "Q8_0")
+        prompt[loader_id]["inputs"]["model_name"] = name
+        entry = comfyui_server.run_prompt(prompt)
+        assert entry["status"]["status_str"] == "success", f"{layout}: {_failure(comfyui_server, entry)}"
+        check_report(entry["outputs"][sampler_id]["qi21_report"][0], prompt[sampler_id])
+        images[layout] = _pixels(comfyui_server, entry, prompt)
+    first = images.pop("plain (ComfyUI-GGUF)")
+    for layout, pixels in images.items():
+        assert (pixels == first).all(), layout
 
 
 # -- (3) the log (last: it reads what every test above left) -------------------------------------------------

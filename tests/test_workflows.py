@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from published_files import PUBLISHED, download_url
 from qi21.nodes import NODES
 from qi21.nodes.validation import widget_option
 
@@ -28,12 +29,13 @@ NAMES = [p.stem for p in UI_FILES]
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
-#: Model-file combos list the user's model folders (empty here), so the examples must use the released file names.
+#: Model-file combos list the user's model folders (empty here), so the examples must use published file names:
+#: the bf16 files of the official repackage (tests/published_files.py) and its LoRAs.
 RELEASED_FILES = {
     "model_name": {"qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_turbo_bf16.safetensors"},
     "text_encoder_name": {"qwen3vl_8b_bf16.safetensors"},
     "vae_name": {"qwen_image_2.1_vae_bf16.safetensors"},
-    "lora_name": {"qwen_image_2.1_speed_lora.safetensors"},  # the example's placeholder name (its note says so)
+    "lora_name": set(PUBLISHED["loras"]),
 }
 TURBO_FILES = {"qwen_image_2.1_turbo_bf16.safetensors"}
 NOTES = {"Note", "MarkdownNote"}
@@ -345,7 +347,7 @@ def source_of(workflow: dict, node: dict, input_name: str) -> tuple[dict, int] |
 def test_the_examples_come_in_both_forms_in_their_folders():
     """UI files at the top of workflows/ (the folder ComfyUI's template browser lists: `<pack>/workflows/*.json`),
     API files in workflows/api/ (not listed: an API prompt would not load as a workflow)."""
-    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 9
+    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 10
     assert [p.stem for p in API_FILES] == NAMES
     assert all("nodes" in read(p) and "links" in read(p) for p in UI_FILES)
     assert all(all("class_type" in node for node in read(p).values()) for p in API_FILES)
@@ -631,7 +633,8 @@ def test_the_validators_catch_api_and_ui_forms_that_disagree(breakage):
 
 # -- download hints ----------------------------------------------------------------------------------------------
 LOADER_FOLDERS = {"QI21ModelLoader": ("model_name", "diffusion_models"),
-                  "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"), "QI21VAELoader": ("vae_name", "vae")}
+                  "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"), "QI21VAELoader": ("vae_name", "vae"),
+                  "QI21LoraLoader": ("lora_name", "loras")}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -640,9 +643,10 @@ def test_every_loader_says_where_to_download_its_file(name, models_root):
     carries `properties.models` naming the file it loads, a folder the loader reads, and the official repackage's
     URL for that file; the name is one the loader lists (the released names, as in the tiny model set)."""
     from qi21.nodes import loaders
+    from qi21.nodes.lora import QI21LoraLoader
 
     classes = {"QI21ModelLoader": loaders.QI21ModelLoader, "QI21TextEncoderLoader": loaders.QI21TextEncoderLoader,
-               "QI21VAELoader": loaders.QI21VAELoader}
+               "QI21VAELoader": loaders.QI21VAELoader, "QI21LoraLoader": QI21LoraLoader}
     checked = 0
     for node in ui(name)["nodes"]:
         if node["type"] not in LOADER_FOLDERS:
@@ -652,8 +656,8 @@ def test_every_loader_says_where_to_download_its_file(name, models_root):
                                "options")
         file_name = ui_widget_values(node)[widget]
         entries = node["properties"].get("models")
-        assert entries == [{"name": file_name, "url": f"{builder.REPACKAGE_URL}/{folder}/{file_name}",
-                            "directory": folder}], node["type"]
-        assert file_name in listed and builder.REPACKAGE_URL.startswith("https://huggingface.co/Comfy-Org/")
+        expected = [{"name": file_name, "url": download_url(folder, file_name), "directory": folder}]
+        assert entries == expected, node["type"]
+        assert file_name in listed and file_name in PUBLISHED[folder]
         checked += 1
     assert checked >= 3

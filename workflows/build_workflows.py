@@ -32,15 +32,20 @@ BASE_MODEL = "qwen_image_2.1_bf16.safetensors"
 TURBO_MODEL = "qwen_image_2.1_turbo_bf16.safetensors"
 TEXT_ENCODER = "qwen3vl_8b_bf16.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
-SPEED_LORA = "qwen_image_2.1_speed_lora.safetensors"  # an example name: the user picks their own speed LoRA
+#: Pruna's 8-step LoRA as Comfy-Org repackages it, and the 8 sigmas published with it for ComfyUI (ManualSigmas;
+#: a shift of 2 over 8 even steps: sigma = 2t / (1 + t)).
+SPEED_LORA = "p_q_image_2.1_8_steps_v0.1_comfyui_bf16.safetensors"
+SPEED_LORA_SIGMAS = "1.0, 0.9333333333, 0.8571428571, 0.7692307692, 0.6666666667, 0.5454545455, 0.4, 0.2222222222, 0.0"
+#: The Turbo weights extracted as a LoRA (Comfy-Org), for Base at Turbo's 8 stored sigmas.
+TURBO_LORA = "qwen_image_2.1_turbo_lora_avg_rank_178_bf16.safetensors"
 #: Where the front end offers to download a missing file (`properties.models`, as core templates do): the
-#: official ComfyUI repackage, Comfy-Org/Qwen-Image-2.1 on Hugging Face, in Comfy-Org's `split_files/<folder>/`
-#: layout. Keyed by loader node type: (widget holding the file name, models folder).
-REPACKAGE_URL = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main/split_files"
+#: official ComfyUI repackage, Comfy-Org/Qwen-Image-2.1 on Hugging Face, `<folder>/<file>` under this address.
+#: Keyed by loader node type: (widget holding the file name, models folder).
+REPACKAGE_URL = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main"
 MODEL_WIDGETS = {"QI21ModelLoader": ("model_name", "diffusion_models"),
                  "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"),
-                 "QI21VAELoader": ("vae_name", "vae")}
-RELEASED_FILES = frozenset({BASE_MODEL, TURBO_MODEL, TEXT_ENCODER, VAE_FILE})
+                 "QI21VAELoader": ("vae_name", "vae"),
+                 "QI21LoraLoader": ("lora_name", "loras")}
 #: The official wording for transparent output (the model's documentation): the description goes in the middle.
 RGBA_PROMPT = ("This is an RGBA image with transparency. {}. The image has alpha channel and the background is "
                "transparent.")
@@ -436,16 +441,39 @@ def base_speed_lora(g: Graph) -> None:
     g.link(model, "model", lora, "model")
     positive = _prompt(g, encoder, "A lighthouse on a rocky coast under a stormy sky, waves breaking, dramatic "
                                    "light, detailed photograph.")
+    sigmas = g.add("ManualSigmas", (420, 540), (420, 90), sigmas=SPEED_LORA_SIGMAS)
     sampler = _sampler(g, "QI21Sampler", lora, positive, steps=8, cfg=1.0, width=1024, height=1024)
+    g.link(sigmas, "SIGMAS", sampler, "sigmas")
     _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/base_speed_lora")
     g.note("""
 ## Qwen-Image 2.1 Base + speed LoRA
 
 *LoRA* sits between the model loader and the sampler: it returns the model with the LoRA, and leaves the
-loaded model as it was (no second copy of the weights). A speed (few-step) LoRA lets Base run in **8 steps,
-cfg 1**; use the steps its card gives. Put your LoRA in `models/loras` and pick it in the node
-(`qwen_image_2.1_speed_lora.safetensors` is a placeholder name). Chain more *LoRA* nodes to stack LoRAs; the
-sampler's report lists each with its strength.
+loaded model as it was (no second copy of the weights). Pruna's 8-step LoRA
+(`p_q_image_2.1_8_steps_v0.1_comfyui_bf16.safetensors`, Comfy-Org's repackage, in `models/loras`) runs Base in
+**8 steps, cfg 1, strength 1**, on the 8 sigmas published with it (*ManualSigmas*: a shift of 2 over 8 even
+steps). Its 5- and 6-step siblings work the same way with their own sigmas. Chain more *LoRA* nodes to stack
+LoRAs; the sampler's report lists each with its strength.
+""", (0, 660), (420, 300))
+
+
+def base_turbo_lora(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    lora = g.add("QI21LoraLoader", (420, 380), (420, 110), lora_name=TURBO_LORA, strength=1.0)
+    g.link(model, "model", lora, "model")
+    positive = _prompt(g, encoder, "A street market at dusk, paper lanterns, steam rising from food stalls, "
+                                   "cinematic photograph.")
+    sigmas = g.add("QI21Sigmas", (420, 540), (420, 170), schedule="turbo", steps=8, width=1024, height=1024)
+    sampler = _sampler(g, "QI21Sampler", lora, positive, steps=8, cfg=1.0, width=1024, height=1024)
+    g.link(sigmas, "SIGMAS", sampler, "sigmas")
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/base_turbo_lora")
+    g.note("""
+## Qwen-Image 2.1 Base + official Turbo LoRA
+
+Comfy-Org's `qwen_image_2.1_turbo_lora_avg_rank_178_bf16.safetensors` (in `models/loras`) is the Turbo model
+extracted as a LoRA of Base: low-rank pairs plus full patches (`.diff`) of the norms, applied as ComfyUI applies
+them. Base + this LoRA samples on Turbo's **8 stored sigmas** (*Schedule* set to turbo), cfg 1, so one Base file
+serves both. The Turbo file itself is exact; the LoRA is its rank-reduced copy.
 """, (0, 660), (420, 280))
 
 
@@ -518,6 +546,7 @@ WORKFLOWS = {
     "edit_three_references": edit_three_references,
     "transparent_rgba_png": transparent_rgba_png,
     "base_speed_lora": base_speed_lora,
+    "base_turbo_lora": base_turbo_lora,
     "img2img": img2img,
     "inpaint_with_a_mask": inpaint_with_a_mask,
     "manual_schedule": manual_schedule,
