@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..layers.kitchen import QuantLinear
 from ..transformer.dit import DiTConfig, QwenImage21DiT
 from .checkpoint import (
     FILE_DTYPES,
@@ -181,17 +182,11 @@ def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute,
           quant=None) -> None:
     """Each parameter built in memory of its own and filled part by part (the file's views are only copied from).
 
-    A quantized file's layers become `quantized.QuantLinear`s (one segment per file tensor, kept in the file's
-    formats). fp8_e4m3fn on a float file runs through the same fp8 Linear when comfy-kitchen is installed, else
-    the plain fp8 weight (upcast per GEMM)."""
+    A quantized file's layers become `kitchen.QuantLinear`s (one segment per file tensor, kept in the file's
+    formats). fp8_e4m3fn on a float file makes the same fp8 `QuantLinear` as an fp8 file's layers (without a
+    scale; plain torch, comfy-kitchen not needed)."""
     if quant is not None:
         quant.check_targets(model, plan)  # before any weight is read
-    fp8_linear = None
-    if fp8:
-        from ..layers.kitchen import QuantLinear
-        from .kitchen import kitchen_installed
-
-        fp8_linear = QuantLinear.from_fp8 if kitchen_installed() else None
     for name, keys in plan.items():
         if quant is not None and quant.fill_linear(model, name, keys, lambda key: reader.read(file_keys[key]),
                                                    compute, device):
@@ -208,8 +203,8 @@ def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute,
             target[row : row + part.shape[0]].copy_(part)
             row += part.shape[0]
             del part
-        if dtype == torch.float8_e4m3fn and fp8_linear is not None:
+        if dtype == torch.float8_e4m3fn:
             parent, _, leaf = module_name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, fp8_linear(target, compute))
+            setattr(model.get_submodule(parent), leaf, QuantLinear.from_fp8(target, compute))
         else:
             setattr(module, attr, torch.nn.Parameter(target, requires_grad=False))
