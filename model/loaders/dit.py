@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ..layers.kitchen import QuantLinear
+from ..layers.formats import GEMM_MODES
+from ..layers.kitchen import QuantLinear, set_gemm
 from ..transformer.dit import DiTConfig, QwenImage21DiT
 from .checkpoint import (
     FILE_DTYPES,
@@ -124,12 +125,18 @@ def is_gguf(path) -> bool:
         return False
 
 
-def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str = "auto") -> QwenImage21DiT:
+def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str = "auto",
+             quantized_gemm: str = "auto") -> QwenImage21DiT:
     """Load a Qwen-Image 2.1 DiT file or diffusers folder; `model.source` says what was loaded.
 
     `weight_dtype`: "default" (the file's float type), "bf16", "fp16", "fp32", "fp8_e4m3fn" (block weights
     stored in fp8, computed in bf16) or a torch dtype. A GGUF file goes to `gguf_loading.load_gguf_dit`.
+    `quantized_gemm` ("auto", "kernel", "dequantize"): how a quantized file's layers multiply (layers/formats.py
+    `gemm_mode`; "auto": int8 kernels on CUDA, dequantized per layer on a CPU or MPS); `layers.kitchen.set_gemm`
+    changes it later.
     """
+    if quantized_gemm not in GEMM_MODES:
+        raise ValueError(f"quantized_gemm must be one of {', '.join(GEMM_MODES)}, got {quantized_gemm!r}.")
     if is_gguf(path):
         from .gguf import load_gguf_dit  # imports the gguf package, needed only for GGUF files
 
@@ -173,6 +180,7 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     except BaseException:
         del model  # nothing half-loaded stays alive, also on KeyboardInterrupt
         raise
+    set_gemm(model, quantized_gemm)
     model.compute_dtype = compute
     model.source = source
     return model.eval()
