@@ -75,46 +75,60 @@ def hadamard(size: int, dtype: torch.dtype, device) -> torch.Tensor:
     return _HADAMARD[key]
 
 
-def rotate_inputs(x: torch.Tensor, group: int) -> torch.Tensor:
+def rotate_inputs(x: torch.Tensor, group: int, shared: dict | None = None) -> torch.Tensor:
     """`x` with each block of `group` input features rotated by `hadamard(group)`: `x @ W.T` of a ConvRot weight
-    `W = Wr @ H` (per block) is `rotate_inputs(x) @ Wr.T`, so the weight itself never needs rotating."""
+    `W = Wr @ H` (per block) is `rotate_inputs(x) @ Wr.T`, so the weight itself never needs rotating. `shared`
+    keeps it for the other row segments of the same call ([q; k; v] is three file tensors, one input)."""
+    if shared is not None and group in shared:
+        return shared[group]
     h = hadamard(group, x.dtype, x.device)
-    return (x.reshape(-1, group) @ h).reshape(x.shape)
+    rotated = (x.reshape(-1, group) @ h).reshape(x.shape)
+    if shared is not None:
+        shared[group] = rotated
+    return rotated
 
 
 # Dequantizing by table: a CPU converts fp8 and gathers 4-bit codes one element at a time (~5 ns each, a third of
-# an fp32 GEMM's time per weight at 1,024 tokens); `F.embedding` of a 256-entry table, one row per stored byte, is
-# ~3x faster and gives the same values (each entry is the exact conversion of its byte).
+# an fp32 GEMM's time per weight at 1,024 tokens); `F.embedding` of a table with one row per stored pair of bytes
+# (65,536 rows, <= 1 MiB) is ~3x faster and gives the same values (each entry is the exact conversion of its bytes).
 _TABLES: dict = {}
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # FP4 E2M1 codes
+_PAIRS = torch.arange(65536, dtype=torch.int64)
 
 
-def byte_table(kind: str, dtype: torch.dtype, device, values=None) -> torch.Tensor:
-    """[256, n] table: what each byte holds in `dtype`: "fp8" (float8_e4m3fn, n = 1), "fp8_e5m2", "e2m1" (two FP4
-    values, high nibble first, n = 2) or "nibbles" (`values[code]` of two 4-bit codes, low nibble first)."""
-    key = (kind, dtype, str(device))
-    if values is None and key in _TABLES:
-        return _TABLES[key]
+def _byte_values(kind: str, values=None) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.int64)
     if kind in ("fp8", "fp8_e5m2"):
         fp8 = torch.float8_e4m3fn if kind == "fp8" else torch.float8_e5m2
-        table = codes.to(torch.uint8).view(fp8).to(torch.float32).unsqueeze(1)
-    elif kind == "e2m1":
+        return codes.to(torch.uint8).view(fp8).to(torch.float32).unsqueeze(1)
+    if kind == "e2m1":
         e2m1 = torch.tensor(E2M1, dtype=torch.float32)
-        table = torch.stack((e2m1[codes >> 4], e2m1[codes & 15]), dim=1)
-    else:
-        values = torch.as_tensor(values, dtype=torch.float32).cpu()
-        table = torch.stack((values[codes & 15], values[codes >> 4]), dim=1)
-    table = table.to(dtype=dtype, device=device)
+        return torch.stack((e2m1[codes >> 4], e2m1[codes & 15]), dim=1)
+    values = torch.as_tensor(values, dtype=torch.float32).cpu()
+    return torch.stack((values[codes & 15], values[codes >> 4]), dim=1)
+
+
+def byte_table(kind: str, dtype: torch.dtype, device, values=None) -> torch.Tensor:
+    """[65536, 2n] table: what each (little-endian) pair of bytes holds in `dtype`: "fp8" (float8_e4m3fn, n = 1),
+    "fp8_e5m2", "e2m1" (two FP4 values a byte, high nibble first, n = 2) or "nibbles" (`values[code]` of two 4-bit
+    codes a byte, low nibble first; built for each call, the codebook being the layer's own)."""
+    key = (kind, dtype, str(device))
+    if values is None and key in _TABLES:
+        return _TABLES[key]
+    one = _byte_values(kind, values)
+    table = torch.cat((one[_PAIRS & 255], one[_PAIRS >> 8]), dim=1).to(dtype=dtype, device=device)
     if values is None:
         _TABLES[key] = table
     return table
 
 
 def by_table(data: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Each byte of `data` ([rows, cols]) looked up in `table` ([256, n]): [rows, cols * n]."""
-    rows = data.shape[0]
-    return F.embedding(data.view(torch.uint8).int(), table).view(rows, -1)
+    """Each pair of bytes of `data` ([rows, cols]) looked up in `table` (an odd count: byte by byte, from the rows
+    whose high byte is 0)."""
+    rows, data = data.shape[0], data.contiguous()
+    if data.shape[-1] % 2:
+        return F.embedding(data.view(torch.uint8).int(), table[:256, : table.shape[1] // 2]).view(rows, -1)
+    return F.embedding(data.view(torch.uint16).int(), table).view(rows, -1)
 
 
 def unswizzle(scales: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
@@ -164,8 +178,9 @@ class Format:
     def dequantize(self, t: dict, options: dict, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def project(self, x: torch.Tensor, t: dict, options: dict, mode: str) -> torch.Tensor:
-        """`x @ W.T` for the rows in `t`, in `x`'s dtype; `mode` "kernel" or "dequantize" (see `gemm_mode`)."""
+    def project(self, x: torch.Tensor, t: dict, options: dict, mode: str, shared: dict | None = None) -> torch.Tensor:
+        """`x @ W.T` for the rows in `t`, in `x`'s dtype; `mode` "kernel" or "dequantize" (see `gemm_mode`);
+        `shared`: a dict the row segments of one call share (for work on `x` they all need)."""
         return F.linear(x, self.dequantize(t, options, x.dtype))
 
     def uses_kernel(self, device: torch.device, options: dict) -> bool:
@@ -251,14 +266,14 @@ class Int8(Format):
     def uses_kernel(self, device, options):
         return int8_kernels(device)
 
-    def project(self, x, t, options, mode):
+    def project(self, x, t, options, mode, shared=None):
         if mode == "kernel":
             return kitchen().int8_linear(x, t["weight"], t["weight_scale"], out_dtype=x.dtype,
                                          convrot=options["convrot"], convrot_groupsize=options["convrot_groupsize"])
         scale = t["weight_scale"].to(x.dtype)
         weight = t["weight"].to(x.dtype).mul_(scale.reshape(-1, 1) if scale.dim() else scale)
         if options["convrot"]:
-            x = rotate_inputs(x, options["convrot_groupsize"])
+            x = rotate_inputs(x, options["convrot_groupsize"], shared)
         return F.linear(x, weight)
 
     def embed(self, t, options, ids, dtype):
@@ -307,14 +322,15 @@ class W4A8(Format):
     def uses_kernel(self, device, options):
         return int8_kernels(device)
 
-    def project(self, x, t, options, mode):
+    def project(self, x, t, options, mode, shared=None):
         if mode == "kernel":
             correction = t.get("weight_correction")
             return kitchen().w4a8_int8_linear(
                 x, t["weight"], t["weight_s_rel"], t["weight_s_channel"], codebook=t.get("weight_codebook"),
                 correction=None if correction is None else correction.contiguous(),
                 group_size=options["group_size"], convrot_groupsize=options["convrot_groupsize"], out_dtype=x.dtype)
-        return F.linear(rotate_inputs(x, options["convrot_groupsize"]), self.rotated_weight(t, options, x.dtype))
+        rotated = rotate_inputs(x, options["convrot_groupsize"], shared)
+        return F.linear(rotated, self.rotated_weight(t, options, x.dtype))
 
     @staticmethod
     def rotated_weight(t, options, dtype):
@@ -325,8 +341,12 @@ class W4A8(Format):
         levels = torch.arange(16, dtype=torch.float32) - 8.0 if codebook is None else codebook
         table = byte_table("nibbles", torch.float32, packed.device, levels)  # low nibble first
         group = options["group_size"]
-        grid = by_table(packed, table).view(rows, -1, group).mul_(t["weight_s_rel"].float().unsqueeze(-1))
-        grid = grid.round_().clamp_(-127, 127)
+        s_rel = t["weight_s_rel"]
+        s_rel = by_table(s_rel, byte_table("fp8", torch.float32, s_rel.device)) if s_rel.dtype != torch.float32 \
+            else s_rel
+        grid = by_table(packed, table).view(rows, -1, group).mul_(s_rel.unsqueeze(-1)).round_()
+        if float(levels.abs().max()) * float(s_rel.abs().max()) > 127:  # the int8 grid's clamp, a no-op for most layers
+            grid = grid.clamp_(-127, 127)
         weight = grid.mul_(t["weight_s_channel"].float().view(rows, 1, 1))
         correction = t.get("weight_correction")
         if correction is not None:
@@ -364,9 +384,9 @@ class W4A4(Format):
     def uses_kernel(self, device, options):
         return True  # the format's whole point; dequantizing keeps only its weight savings
 
-    def project(self, x, t, options, mode):
+    def project(self, x, t, options, mode, shared=None):
         if mode == "dequantize":
-            return super().project(x, t, options, mode)
+            return super().project(x, t, options, mode, shared)
         out = kitchen().convrot_w4a4_linear(x, t["weight"], t["weight_scale"].reshape(-1),
                                             convrot_groupsize=options["convrot_groupsize"],
                                             quant_group_size=options["quant_group_size"],
@@ -426,7 +446,7 @@ class BlockScaled(Format):
     def kernel_runs_on(self, device):
         return blackwell(device)
 
-    def project(self, x, t, options, mode):
+    def project(self, x, t, options, mode, shared=None):
         smooth = t.get("pre_quant_scale")
         if smooth is not None:  # AWQ-style smoothing of the inputs, in every path
             x = x * smooth.to(x.dtype)

@@ -83,11 +83,11 @@ class QuantLinear(_Segmented, StoredLinear):
                 for seg in self.segments if seg.fmt != "float"}
 
     def project(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        pieces = []
+        pieces, shared = [], {}
         for seg, first, last in self._pieces(start, end):
             fmt = format_of(seg.fmt)
             mode = gemm_mode(fmt, seg.options, x.device, self.gemm)
-            pieces.append(fmt.project(x, self._tensors(seg, first, last), seg.options, mode))
+            pieces.append(fmt.project(x, self._tensors(seg, first, last), seg.options, mode, shared))
         if not pieces:
             out = x.new_empty(*x.shape[:-1], 0)
         else:
