@@ -308,20 +308,24 @@ def te_state() -> dict:
     return {tiny.comfy_text_encoder_key(k): v for k, v in tiny.text_encoder_state_dict(config, 3).items()}
 
 
-def write_te(folder, name, kind):
-    """`qwen3vl_8b_int8_convrot` (LM linears, token table and LM head int8 ConvRot, vision tower float) or
-    `qwen3vl_8b_w4a8` (LM linears W4A8) at toy size, with a dequantized twin."""
+def write_te(folder, name, kind, where="tensor"):
+    """`qwen3vl_8b_int8_convrot` (LM linears, token table and LM head int8 ConvRot, vision tower float),
+    `qwen3vl_8b_w4a8` (LM linears W4A8) or `qwen3vl_8b_fp8_scaled` (`where="legacy"`: LM linears, LM head and
+    vision linears fp8 with `scale_weight`, a `scaled_fp8` marker) at toy size, with a dequantized twin."""
     if kind == "int8_convrot":
         pick = lambda key: bool(TE_LINEAR.fullmatch(key)) or key in ("model.embed_tokens.weight", "lm_head.weight")  # noqa: E731
+    elif where == "legacy":
+        pick = lambda key: bool(TE_LINEAR.fullmatch(key) or VISION_LINEAR.search(key)) or key == "lm_head.weight"  # noqa: E731
     else:
         pick = TE_LINEAR.fullmatch
-    out, metadata, reference = quantized_files(te_state(), kind, pick, group=TE_GROUP)
+    out, metadata, reference = quantized_files(te_state(), kind, pick, group=TE_GROUP, where=where)
     path, twin = folder / name, folder / ("dequantized_" + name)
     save_file(out, str(path), metadata=metadata)
     save_file(reference, str(twin), metadata={"format": "pt"})
     return path, twin, out
 
 
+VISION_LINEAR = re.compile(r"visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])\.weight$")
 LOADED_TE = re.compile(r"model\.(layers|embed_tokens|visual)\.")  # the final norm and the LM head are never loaded
 
 
@@ -342,6 +346,29 @@ def test_text_encoder_formats_match_their_dequantized_model(tmp_path, tiny_model
     for prompt in ("a red fox in the snow", "two cats"):
         got, expected = encoder.encode(prompt).embeds, reference.encode(prompt).embeds
         assert (got - expected).abs().max() / expected.abs().max() <= bound
+
+
+@pytest.mark.parametrize("marker", ["scaled_fp8", "model.scaled_fp8"])
+def test_legacy_scaled_fp8_text_encoder_loads_and_matches_its_dequantized_model(tmp_path, tiny_models, marker):
+    """`qwen3vl_8b_fp8_scaled.safetensors`-style: a `scaled_fp8` marker (bare, or under a prefix as ComfyUI's text
+    encoder loader looks for it), fp8 weights with `scale_weight` / `scale_input`; weight-only, so equal to the
+    dequantized model within 1e-5."""
+    path, twin, tensors = write_te(tmp_path, "qwen3vl_8b_fp8_scaled.safetensors", "float8_e4m3fn", where="legacy")
+    if marker != "scaled_fp8":
+        tensors[marker] = tensors.pop("scaled_fp8")
+        save_file(tensors, str(path))
+    assert marker in tensors and any(key.endswith(".scale_weight") for key in tensors)
+    reference = load_text_encoder(twin, tokenizer_dir=tiny_models["tokenizer"])
+    encoder = load_text_encoder(path, tokenizer_dir=tiny_models["tokenizer"])
+    assert isinstance(encoder.model.language_model.layers[0].mlp.down_proj, kitchen_layers.QuantLinear)
+    assert isinstance(encoder.model.visual.blocks[0].attn.qkv, kitchen_layers.QuantLinear)  # with its bias
+    assert parameter_bytes(encoder.model) == payload(tensors, lambda key: bool(LOADED_TE.match(key)))
+    from PIL import Image
+
+    image = Image.fromarray((torch.rand(256, 256, 3) * 255).to(torch.uint8).numpy())  # the vision tower runs too
+    for prompt, images in (("a red fox in the snow", ()), ("two cats", [image])):
+        got, expected = encoder.encode(prompt, images).embeds, reference.encode(prompt, images).embeds
+        assert (got - expected).abs().max() <= 1e-5
 
 
 def test_fp16_text_encoder_weights(tmp_path, tiny_models):
