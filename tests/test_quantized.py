@@ -629,3 +629,21 @@ def test_block_scaled_rows_are_cut_at_whole_tiles_of_the_swizzled_scales(kind):
         torch.testing.assert_close(layer.weight_rows(start, end, torch.float32), dense[start:end], rtol=0, atol=0)
     x = torch.randn(4, 96)
     torch.testing.assert_close(layer.rows(x, 100, 300), F.linear(x, dense[100:300]), rtol=0, atol=1e-5)
+
+
+def test_byte_tables_equal_torch_conversions_pair_by_pair_and_byte_by_byte():
+    """The dequantization tables (formats.py) against torch's own fp8 conversion and the E2M1 code values, for an
+    even number of bytes a row (looked up two at a time) and an odd one (one at a time)."""
+    data = torch.arange(256, dtype=torch.uint8).repeat(3, 2)  # every byte, 512 a row
+    for kind, fp8 in (("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        expected = data.view(fp8).float()
+        table = formats.byte_table(kind, torch.float32, "cpu")
+        for cols in (512, 511):
+            got = formats.by_table(data[:, :cols], table)
+            assert torch.equal(got.isnan(), expected[:, :cols].isnan())
+            assert torch.equal(got.nan_to_num(), expected[:, :cols].nan_to_num())
+    e2m1 = torch.tensor(formats.E2M1)
+    expected = torch.stack((e2m1[data.long() >> 4], e2m1[data.long() & 15]), dim=-1).view(3, -1)  # high nibble first
+    for cols in (512, 511):
+        got = formats.by_table(data[:, :cols], formats.byte_table("e2m1", torch.float32, "cpu"))
+        assert torch.equal(got, expected[:, : 2 * cols])

@@ -89,8 +89,9 @@ def rotate_inputs(x: torch.Tensor, group: int, shared: dict | None = None) -> to
 
 
 # Dequantizing by table: a CPU converts fp8 and gathers 4-bit codes one element at a time (~5 ns each, a third of
-# an fp32 GEMM's time per weight at 1,024 tokens); `F.embedding` of a table with one row per stored pair of bytes
-# (65,536 rows, <= 1 MiB) is ~3x faster and gives the same values (each entry is the exact conversion of its bytes).
+# an fp32 GEMM's time per weight at 1,024 tokens); `F.embedding` of a table with one row per stored byte, or per
+# pair of bytes (65,536 rows, <= 1 MiB), is 2-3x faster and gives the same values (each entry is the exact conversion
+# of its bytes).
 _TABLES: dict = {}
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # FP4 E2M1 codes
 _PAIRS = torch.arange(65536, dtype=torch.int64)
@@ -110,23 +111,26 @@ def _byte_values(kind: str, values=None) -> torch.Tensor:
 
 def byte_table(kind: str, dtype: torch.dtype, device, values=None) -> torch.Tensor:
     """[65536, 2n] table: what each (little-endian) pair of bytes holds in `dtype`: "fp8" (float8_e4m3fn, n = 1),
-    "fp8_e5m2", "e2m1" (two FP4 values a byte, high nibble first, n = 2) or "nibbles" (`values[code]` of two 4-bit
-    codes a byte, low nibble first; built for each call, the codebook being the layer's own)."""
+    "fp8_e5m2" or "e2m1" (two FP4 values a byte, high nibble first, n = 2); or, for "nibbles" (`values[code]` of two
+    4-bit codes a byte, low nibble first), a [256, 2] table of single bytes, built for each call (the codebook is the
+    layer's own, and 256 rows cost nothing to build)."""
+    if values is not None:
+        return _byte_values(kind, values).to(dtype=dtype, device=device)
     key = (kind, dtype, str(device))
-    if values is None and key in _TABLES:
-        return _TABLES[key]
-    one = _byte_values(kind, values)
-    table = torch.cat((one[_PAIRS & 255], one[_PAIRS >> 8]), dim=1).to(dtype=dtype, device=device)
-    if values is None:
-        _TABLES[key] = table
-    return table
+    if key not in _TABLES:
+        one = _byte_values(kind)
+        _TABLES[key] = torch.cat((one[_PAIRS & 255], one[_PAIRS >> 8]), dim=1).to(dtype=dtype, device=device)
+    return _TABLES[key]
 
 
 def by_table(data: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Each pair of bytes of `data` ([rows, cols]) looked up in `table` (an odd count: byte by byte, from the rows
-    whose high byte is 0)."""
+    """Each pair of bytes of `data` ([rows, cols]) looked up in `table`; byte by byte (a table of single bytes, or the
+    rows of a pair table whose high byte is 0) for an odd count and off the CPU (where the win is, and where uint16
+    is sure to convert)."""
     rows, data = data.shape[0], data.contiguous()
-    if data.shape[-1] % 2:
+    if table.shape[0] == 256:
+        return F.embedding(data.view(torch.uint8).int(), table).view(rows, -1)
+    if data.shape[-1] % 2 or data.device.type != "cpu":
         return F.embedding(data.view(torch.uint8).int(), table[:256, : table.shape[1] // 2]).view(rows, -1)
     return F.embedding(data.view(torch.uint16).int(), table).view(rows, -1)
 
