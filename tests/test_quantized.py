@@ -629,6 +629,12 @@ def test_block_scaled_rows_are_cut_at_whole_tiles_of_the_swizzled_scales(kind):
         torch.testing.assert_close(layer.weight_rows(start, end, torch.float32), dense[start:end], rtol=0, atol=0)
     x = torch.randn(4, 96)
     torch.testing.assert_close(layer.rows(x, 100, 300), F.linear(x, dense[100:300]), rtol=0, atol=1e-5)
+    if kind == "nvfp4":  # AWQ-style smoothing: the inputs are multiplied by `pre_quant_scale` first
+        smooth = torch.rand(96) + 0.5
+        layer = kitchen_layers.QuantLinear(96, 320, torch.float32)
+        layer.add_segment("nvfp4", {**roles, "pre_quant_scale": smooth}, {"full_precision": False})
+        torch.testing.assert_close(layer.rows(x, 100, 300), F.linear(x * smooth, dense[100:300]), rtol=0, atol=1e-5)
+        torch.testing.assert_close(layer.weight_rows(0, 320, torch.float32), dense * smooth, rtol=0, atol=0)
 
 
 def test_byte_tables_equal_torch_conversions_pair_by_pair_and_byte_by_byte():
@@ -647,3 +653,18 @@ def test_byte_tables_equal_torch_conversions_pair_by_pair_and_byte_by_byte():
     for cols in (512, 511):
         got = formats.by_table(data[:, :cols], formats.byte_table("e2m1", torch.float32, "cpu"))
         assert torch.equal(got, expected[:, : 2 * cols])
+
+
+def test_convrot_input_rotation_equals_the_published_hadamard_blocks():
+    """`rotate_inputs` (two small Kronecker factors) against `x @ H` block by block, H the Kronecker power of H4 over
+    sqrt(g); H orthonormal and symmetric (the quantizer and its inverse are the same transform)."""
+    h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
+    x = torch.randn(5, 3, 512, dtype=torch.float64)
+    for group, power in ((4, 1), (16, 2), (64, 3), (256, 4)):
+        h = torch.ones(1, 1, dtype=torch.float64)
+        for _ in range(power):
+            h = torch.kron(h, h4)
+        h = h / group**0.5
+        torch.testing.assert_close(h @ h, torch.eye(group, dtype=torch.float64))
+        expected = (x.reshape(-1, group) @ h).reshape(x.shape)
+        torch.testing.assert_close(formats.rotate_inputs(x, group), expected, rtol=0, atol=1e-12)

@@ -44,6 +44,15 @@ def kitchen(what: str = "Quantized weights"):
     return comfy_kitchen
 
 
+def kitchen_installed() -> bool:
+    """Whether comfy-kitchen can be imported (asked before choosing a GEMM only it has)."""
+    try:
+        kitchen()
+    except ImportError:
+        return False
+    return True
+
+
 def int8_kernels(device: torch.device) -> bool:
     """Whether int8 GEMM kernels are worth running on `device` (CUDA); elsewhere dequantizing is faster."""
     return torch.device(device).type == "cuda"
@@ -81,8 +90,15 @@ def rotate_inputs(x: torch.Tensor, group: int, shared: dict | None = None) -> to
     keeps it for the other row segments of the same call ([q; k; v] is three file tensors, one input)."""
     if shared is not None and group in shared:
         return shared[group]
-    h = hadamard(group, x.dtype, x.device)
-    rotated = (x.reshape(-1, group) @ h).reshape(x.shape)
+    # H = Ha (x) Hb (Kronecker), so each block, seen as an [a, b] array V, becomes Ha V Hb: two small products, a
+    # fraction of the multiply-adds of one [group, group] product.
+    a = 4 ** ((group.bit_length() - 1) // 4)
+    if a == 1:
+        rotated = (x.reshape(-1, group) @ hadamard(group, x.dtype, x.device)).reshape(x.shape)
+    else:
+        b = group // a
+        right = (x.reshape(-1, b) @ hadamard(b, x.dtype, x.device)).view(-1, a, b)
+        rotated = torch.matmul(hadamard(a, x.dtype, x.device), right).reshape(x.shape)
     if shared is not None:
         shared[group] = rotated
     return rotated
@@ -436,25 +452,28 @@ class BlockScaled(Format):
         return out
 
     def dequantize(self, t, options, dtype):
+        """The rows as a dense weight, AWQ-style input smoothing (`pre_quant_scale`) folded into its columns, so
+        `x @ W.T` is the layer's output."""
         dense = self.dequantize_tiles(t, dtype)
         if "_narrow" in t:
             dense = dense.narrow(0, *t["_narrow"])
-        return dense
+        smooth = t.get("pre_quant_scale")
+        return dense if smooth is None else dense * smooth.to(dtype)
 
     def dequantize_tiles(self, t, dtype):
         raise NotImplementedError
 
     def uses_kernel(self, device, options):
-        return blackwell(device)
+        return self.kernel_runs_on(device)
 
     def kernel_runs_on(self, device):
-        return blackwell(device)
+        return blackwell(device) and kitchen_installed()
 
     def project(self, x, t, options, mode, shared=None):
-        smooth = t.get("pre_quant_scale")
-        if smooth is not None:  # AWQ-style smoothing of the inputs, in every path
-            x = x * smooth.to(x.dtype)
         if mode == "kernel" and "_narrow" not in t and x.dtype in (torch.bfloat16, torch.float16):
+            smooth = t.get("pre_quant_scale")
+            if smooth is not None:  # AWQ-style smoothing of the inputs before they are quantized
+                x = x * smooth.to(x.dtype)
             flat = x.reshape(-1, x.shape[-1])
             return self.tensor_core_linear(flat, t, x.dtype).reshape(*x.shape[:-1], -1)
         return F.linear(x, self.dequantize(t, options, x.dtype))
