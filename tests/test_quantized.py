@@ -430,6 +430,7 @@ def test_whole_graph_on_an_int8_dit_and_a_w4a8_text_encoder(quantized_root):
     latent, report = out[0], out.ui["qi21_report"][0]
     assert latent["samples"].shape == (1, 64, 16, 16) and torch.isfinite(latent["samples"]).all()
     assert report["steps"] == 8
+    assert report["quantized_gemm"] == {"int8_tensorwise": "dequantize"}  # a CPU: no int8 GEMM
     rgb, mask, rgba = QI21VAEDecode.execute(vae, latent).args
     assert rgba.shape == (1, 256, 256, 4) and torch.isfinite(rgba).all()
 

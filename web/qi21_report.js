@@ -3,7 +3,7 @@
 // Pure functions only (no DOM, no ComfyUI), so Node can unit-test them (tests/test_web_extension.py).
 // ComfyUI also loads this file as an extension because it sits in WEB_DIRECTORY; it has no side effects.
 //
-// The report is the `qi21_report` UI entry every sampler returns (nodes/samplers.py, model/sampling.py): a list
+// The report is the `qi21_report` UI entry every sampler returns (nodes/samplers.py, model/sampling/loop.py): a list
 // with one dict per run, keys `prefix_tokens`, `target_tokens`, `batch`, `steps`, `cache` ("off", "miss" or
 // "hit"), `cache_bytes`, `cache_device`, `prefill_seconds`, `step_seconds` (mean cached step) and, when there is
 // something to say, `notes` (strings). Keys may be missing or null (e.g. no prefill on a cache hit, no cache

@@ -6,8 +6,9 @@ the model's identity and the conditioning's content, evicted least-recently-used
 dropped when their model is garbage-collected, and cleared on request (ComfyUI's "free memory").
 
 The bound is the smaller of a fixed ceiling (`budget_bytes`; None: none) and what the memory planner says is free
-beside the current run (`free_bytes`, set by the sampler nodes before each run, model/memory/planner.py); with neither,
-`DEFAULT_BUDGET_BYTES`. The samplers' store has no fixed ceiling: on a large GPU it keeps more.
+beside the current run (`free_bytes`, set by the sampler nodes before each run from the memory plan); with neither,
+`DEFAULT_BUDGET_BYTES`. The samplers' store (`KEPT_CACHES` in nodes/placement.py) has no fixed ceiling: on a large
+GPU it keeps more.
 """
 
 import threading
@@ -108,5 +109,3 @@ def _evict_from(store_ref, model_id: int) -> None:
     if store is not None:
         store.evict_model(model_id)
 
-
-DEFAULT_STORE = PrefixCacheStore(budget_bytes=None)  # bounded by the planner's free_bytes (the sampler nodes)
