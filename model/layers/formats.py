@@ -179,7 +179,7 @@ class Format:
 
     def check(self, layer, rows: int, inputs: int) -> dict:
         """The layer's options, after checking its scales (`layer`: the loader's checker, with `expect`, `fail`,
-        `option`, `int_option` and `has`)."""
+        `option`, `int_option`, `has` and `show`)."""
         return {}
 
     def cut(self, tensors: dict, rows: int, first: int, last: int, index: torch.Tensor | None = None) -> dict:
@@ -392,7 +392,8 @@ class W4A4(Format):
         if options["quant_group_size"] != 64 or options["linear_dtype"] not in ("int4", "int8") \
                 or not _power_of_4(rotation) or inputs % rotation or inputs % 64:
             layer.fail(f"{layer.name} ({inputs} inputs) has convrot_groupsize {rotation}, quant_group_size "
-                       f"{options['quant_group_size']} and linear_dtype {options['linear_dtype']!r}; ConvRot W4A4 "
+                       f"{options['quant_group_size']} and linear_dtype {layer.show(options['linear_dtype'])}; ConvRot "
+                       "W4A4 "
                        "needs groups of 64, int4 or int8, and a power-of-4 rotation dividing the inputs")
         return options
 
