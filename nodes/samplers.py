@@ -12,6 +12,7 @@ from ..model.latents import (
     sampling_size,
     target_size,
 )
+from ..model.layers.kitchen import gemm_summary
 from ..model.sampling.img2img import (
     check_denoise,
     check_latent,
@@ -174,6 +175,9 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
                         add_noise=add_noise, new_cache=job.new_cache, store=job.store)
     report = dict(result.report)
     report.update(job.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
+    gemm = gemm_summary(model, bridge.compute_device())
+    if gemm:  # per quantized format: its own GEMM kernel, or dequantized per layer before a plain GEMM
+        report["quantized_gemm"] = gemm
     if notes:
         report["notes"] = notes + report.get("notes", [])
     bridge.log.info("qi21_report %s", json.dumps(report))
