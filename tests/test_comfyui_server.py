@@ -307,7 +307,8 @@ def _failure(server, entry) -> str:
 def check_report(report: dict, sampler: dict) -> None:
     inputs = sampler["inputs"]
     assert REPORT_KEYS <= set(report), f"qi21_report lacks {REPORT_KEYS - set(report)}: {report}"
-    optional = {"notes", "loras", "plan", "peak_bytes"}  # notes when there are any; loras with a LoRA; the plan
+    # notes when there are any; loras with a LoRA; sampler and model_calls with a SAMPLER connected; the plan
+    optional = {"notes", "loras", "plan", "peak_bytes", "sampler", "model_calls"}
     assert set(report) <= REPORT_KEYS | optional, f"unexpected qi21_report keys: {set(report) - REPORT_KEYS}"
     assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
     assert isinstance(report["prefix_tokens"], int) and report["prefix_tokens"] > 0
@@ -318,6 +319,8 @@ def check_report(report: dict, sampler: dict) -> None:
     else:
         expected_steps = TURBO_STEPS if sampler["class_type"] == "QI21TurboSampler" else inputs["steps"]
         assert report["steps"] == expected_steps
+    if isinstance(inputs.get("sampler"), list):  # a ComfyUI SAMPLER: at least one model call per step
+        assert isinstance(report["sampler"], str) and report["model_calls"] >= report["steps"]
     cache_on = inputs.get("prefix_cache", "on") == "on"
     assert report["cache"] in (("miss", "hit") if cache_on else ("off",)), report
     assert isinstance(report["cache_bytes"], int) and (report["cache_bytes"] > 0) == cache_on
