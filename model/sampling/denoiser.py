@@ -135,7 +135,8 @@ class FlowDenoiser:
         if self.clock is not None:
             self.clock.stop(started)
         if self.on_call is not None:
-            self.on_call(CallInfo(self.calls - 1, self.step, self.total_steps, float(sig[0]), guided))
+            step = self.step if self.total_steps is None else min(self.step, self.total_steps - 1)
+            self.on_call(CallInfo(self.calls - 1, step, self.total_steps, float(sig[0]), guided))
         return guided, cond, uncond
 
     def step_done(self, step: int) -> None:
