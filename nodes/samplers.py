@@ -146,14 +146,14 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     for note in notes:
         bridge.log.warning("qi21 %s sampler: %s", sampler, note)
 
-    # The memory plan, made before the noise or anything else is allocated: a run that fits no placement (a
-    # 4096x4096 batch of 64 is within the widgets' limits and would otherwise grow until the OS kills the server)
-    # is refused here with the least memory it needs and what to change (model/memory/planner.py).
     # a SAMPLER is checked before anything is loaded; its model_sampling is shifted as the official schedule is
     runner = sampler_name = None
     if sampler_object is not None:
         mu = 0.0 if sampler == "turbo" else schedule_mu(latent_tokens(width, height))
         sampler_name, runner = sampler_runner(sampler_object, seed=seed, mu=mu)
+    # The memory plan, made before the noise or anything else is allocated: a run that fits no placement (a
+    # 4096x4096 batch of 64 is within the widgets' limits and would otherwise grow until the OS kills the server)
+    # is refused here with the least memory it needs and what to change (model/memory/planner.py).
     job = placement.plan_sampling(model, positive, negative if cfg > 1 else None, width, height, batch_size,
                                   prefix_cache == "on")
     progress = bridge.Progress(len(sigmas) - 1)
