@@ -142,7 +142,7 @@ def _forbid(*args, **kwargs):
 def test_a_wrong_file_is_refused_by_name_before_any_weight_is_read(models_root, monkeypatch, kind, node, name, says):
     assert name in bridge.model_choices(kind) and node.validate_inputs(name, weight_dtype="fp32") is True
     # Headers decide: no tensor is read (safe_open), nothing is unpickled (torch.load, pickle).
-    for target in ("safetensors.safe_open", "qi21.model.loaders.text_encoder.safe_open", "torch.load",
+    for target in ("safetensors.safe_open", "torch.load",
                    "pickle.load", "pickle.loads", "pickle.Unpickler"):
         monkeypatch.setattr(target, _forbid)
     built = []  # not even an empty (meta) model may be built before the file is refused
@@ -169,7 +169,6 @@ def test_a_load_failing_halfway_frees_the_half_built_model_while_the_error_is_re
     """ComfyUI holds the exception while it reports it; the half-filled model must not live that long."""
     failing_halfway = gf.safe_open_failing_at(5, OSError, "disk read error")
     monkeypatch.setattr("safetensors.safe_open", failing_halfway)
-    monkeypatch.setattr("qi21.model.loaders.text_encoder.safe_open", failing_halfway)
     models = gf.live_models()
     with pytest.raises(OSError, match="disk read error") as error:
         node.execute(name, "fp32")

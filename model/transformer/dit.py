@@ -296,7 +296,7 @@ def _readers(sample_prefix: list[int], num_prefixes: int) -> tuple:
 
 
 class QwenImage21DiT(nn.Module):
-    """The Qwen-Image 2.1 DiT. Parameter names are ours; `dit_loading` maps both file layouts onto them.
+    """The Qwen-Image 2.1 DiT. Parameter names are ours; `loaders/dit_keys.py` maps both file layouts onto them.
 
     `forward` = `prepare` (embeddings, modulation rows, the `Rows` of this call) + each block + `final_layer`.
     """
