@@ -10,6 +10,7 @@ from . import bridge
 from .bridge import io
 from .loaders import checked_path, file_problem, load_or_free
 from .types import CATEGORY, Model
+from .validation import refuse_unknown_inputs
 
 MAX_STRENGTH = 10.0
 
@@ -44,7 +45,8 @@ class QI21LoraLoader(io.ComfyNode):
         return file_problem(cls, "loras", lora_name, **kwargs)
 
     @classmethod
-    def execute(cls, model, lora_name, strength) -> io.NodeOutput:
+    def execute(cls, model, lora_name, strength, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "loras", lora_name, strength=strength)
         return io.NodeOutput(load_or_free(apply_lora, model, path, strength, name=lora_name))
 

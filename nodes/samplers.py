@@ -13,14 +13,21 @@ from ..model.latents import (
     sampling_size,
     target_size,
 )
-from ..model.sampling.img2img import check_denoise, check_latent, denoise_tail, fixed_tail, latent_mask
+from ..model.sampling.img2img import (
+    check_denoise,
+    check_latent,
+    denoise_problem,
+    denoise_tail,
+    fixed_tail,
+    latent_mask,
+)
 from ..model.sampling.loop import initial_noise, sample
 from ..model.sampling.schedule import base_sigmas, literal_sigmas, schedule_mu, turbo_sigmas
 from . import bridge, placement
 from .bridge import io
 from .comfy_sampling import sampler_runner
 from .types import CATEGORY, Conditioning, Model
-from .validation import require, widget_problem
+from .validation import refuse_unknown_inputs, require, widget_problem
 
 MIN_SIZE, MAX_SIZE = 32, 4096  # the reference pipeline runs any multiple of 32
 TRAINED_MIN_SIZE = 256  # below this the report notes that the model was trained at larger sizes
@@ -253,14 +260,21 @@ class QI21Sampler(io.ComfyNode):
             return f"steps = {steps}: at least 1 step is needed (40 is the official setting)."
         if cfg is not None and not cfg >= 1.0:  # also refuses NaN
             return f"cfg = {cfg}: true CFG scales below 1 are not meaningful; use 1 (off) or more."
+        denoise = kwargs.get("denoise")
+        if steps is not None and denoise is not None and "sigmas" not in kwargs:
+            problem = denoise_problem(denoise, steps)  # without connected sigmas: the tail of a longer schedule
+            if problem is not None:
+                return problem
         return _check_size(cls, width, height, steps=steps, cfg=cfg, **kwargs)
 
     @classmethod
     def execute(cls, model, positive, seed, steps, cfg, width, height, batch_size, negative=None, prefix_cache="on",
                 keep_cache=False, sigmas=None, latent_image=None, denoise=1.0, add_noise=True,
-                sampler=None) -> io.NodeOutput:
+                sampler=None, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         require(cls.validate_inputs(width=width, height=height, steps=steps, cfg=cfg, batch_size=batch_size, seed=seed,
-                                     prefix_cache=prefix_cache, denoise=denoise))
+                                     prefix_cache=prefix_cache, denoise=denoise,
+                                     **({} if sigmas is None else {"sigmas": sigmas})))
         return run(model, positive, sampler="base", seed=seed, width=width, height=height, batch_size=batch_size,
                    sigmas_for=lambda w, h, d: denoise_tail(lambda n: base_sigmas(n, w, h), steps, d),
                    negative=negative, cfg=cfg, prefix_cache=prefix_cache, keep_cache=keep_cache, sigmas=sigmas,
@@ -296,7 +310,9 @@ class QI21TurboSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, seed, width, height, batch_size, prefix_cache="on", keep_cache=False,
-                sigmas=None, latent_image=None, denoise=1.0, add_noise=True, sampler=None) -> io.NodeOutput:
+                sigmas=None, latent_image=None, denoise=1.0, add_noise=True, sampler=None,
+                **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         require(cls.validate_inputs(width=width, height=height, batch_size=batch_size, seed=seed,
                                      prefix_cache=prefix_cache, denoise=denoise))
         return run(model, positive, sampler="turbo", seed=seed, width=width, height=height, batch_size=batch_size,

@@ -3,11 +3,11 @@
 
 from ..model.latents import DEFAULT_SIZE, latent_tokens
 from ..model.sampling.flow_schedulers import COMFY_SCHEDULERS, scheduler_sigmas
-from ..model.sampling.img2img import denoise_tail, fixed_tail
+from ..model.sampling.img2img import denoise_problem, denoise_tail, fixed_tail
 from ..model.sampling.schedule import base_sigmas, schedule_mu, turbo_sigmas
 from .bridge import io
 from .types import CATEGORY
-from .validation import require, widget_problem
+from .validation import refuse_unknown_inputs, require, widget_problem
 
 SCHEDULER_CHOICES = ("official", *COMFY_SCHEDULERS)
 
@@ -62,10 +62,16 @@ class QI21Sigmas(io.ComfyNode):
     def validate_inputs(cls, denoise=1.0, **kwargs):
         if denoise is not None and not 0.0 < denoise <= 1.0:
             return f"denoise = {denoise}: use a value in (0, 1] (0 would be a schedule without a step)."
+        steps = kwargs.get("steps")
+        if denoise is not None and steps is not None and kwargs.get("schedule") != "turbo":
+            problem = denoise_problem(denoise, steps)  # a tiny denoise would build a huge schedule
+            if problem is not None:
+                return problem
         return widget_problem(cls, denoise=denoise, **kwargs)
 
     @classmethod
-    def execute(cls, schedule, steps, width, height, denoise=1.0, scheduler="official") -> io.NodeOutput:
+    def execute(cls, schedule, steps, width, height, denoise=1.0, scheduler="official", **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         require(cls.validate_inputs(schedule=schedule, steps=steps, width=width, height=height, denoise=denoise,
                                     scheduler=scheduler))
         return io.NodeOutput(schedule_sigmas(schedule, steps, width, height, denoise, scheduler))

@@ -37,7 +37,8 @@ import torch.nn as nn
 
 from ..layers.kitchen import FP8_DTYPES, QuantEmbedding, QuantLinear, kitchen
 from ..layers.linear import Linear
-from .safetensors_io import CheckpointError, TensorInfo, parse_json_object
+from .finite import check_finite
+from .safetensors_io import CheckpointError, TensorInfo, parse_json_object, shown
 
 MAX_DESCRIPTION_BYTES = 64 * 1024  # a layer's JSON description is tens of bytes
 FLOATS = ("F32", "F16", "BF16")  # stored dtypes a scale may have
@@ -112,8 +113,8 @@ def _descriptions(tensors: dict[str, TensorInfo], metadata: dict, read: Callable
             raise CheckpointError(f"{where}: {source} does not describe a quantized layer (a JSON object with a "
                                   "\"format\"); the file is damaged. Download it again.")
         if layer in found and found[layer].get("format") != description["format"]:
-            raise CheckpointError(f"{where}: {layer} is described as {found[layer]['format']!r} and as "
-                                  f"{description['format']!r}; the file contradicts itself. Download it again.")
+            raise CheckpointError(f"{where}: {layer} is described as {shown(found[layer]['format'])} and as "
+                                  f"{shown(description['format'])}; the file contradicts itself. Download it again.")
         found[layer] = {**found.get(layer, {}), **description}
 
     if "_quantization_metadata" in metadata:
@@ -124,7 +125,7 @@ def _descriptions(tensors: dict[str, TensorInfo], metadata: dict, read: Callable
             raise CheckpointError(f"{where}: the header's _quantization_metadata has no \"layers\" object; the file "
                                   "is damaged. Download it again.")
         for name, description in layers.items():
-            add(rename(name), description, f"_quantization_metadata layer {name!r}")
+            add(rename(name), description, f"_quantization_metadata layer {shown(name)}")
     for key, info in tensors.items():
         if not key.endswith("." + DESCRIPTION):
             continue
@@ -172,7 +173,7 @@ def _int_option(description: dict, key: str, default: int, where: str, layer: st
     params = description.get("params") if isinstance(description.get("params"), dict) else {}
     value = description.get(key, params.get(key, default))
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 20:
-        raise CheckpointError(f"{where}: {layer} has {key} = {value!r}; expected a positive integer. The file is "
+        raise CheckpointError(f"{where}: {layer} has {key} = {shown(value)}; expected a positive integer. The file is "
                               "damaged; download it again.")
     return value
 
@@ -260,7 +261,7 @@ def _check_layer(layer: str, description: dict, keys: dict, tensors: dict, where
         if options["quant_group_size"] != 64 or options["linear_dtype"] not in ("int4", "int8") \
                 or not _power_of_4(rotation) or inputs % rotation or inputs % 64:
             check.fail(f"{layer} ({inputs} inputs) has convrot_groupsize {rotation}, quant_group_size "
-                       f"{options['quant_group_size']} and linear_dtype {options['linear_dtype']!r}; ConvRot W4A4 "
+                       f"{options['quant_group_size']} and linear_dtype {shown(options['linear_dtype'])}; ConvRot W4A4 "
                        "needs groups of 64, int4 or int8, and a power-of-4 rotation dividing the inputs")
     return QuantLayer(layer, fmt, dict(keys), options, (rows, inputs))
 
@@ -329,7 +330,7 @@ class QuantPlan:
         if isinstance(old, nn.Embedding):
             new = QuantEmbedding(old.num_embeddings, old.embedding_dim, compute, old.padding_idx, device)
             layer = self.layers[keys[0]]
-            new.add_segment(layer.fmt, _read_roles(layer, read, device), layer.options)
+            new.add_segment(layer.fmt, _read_roles(layer, read, device, self.where), layer.options)
         else:
             out_features, in_features = old.weight.shape
             new = QuantLinear(in_features, out_features, compute)
@@ -338,7 +339,7 @@ class QuantPlan:
                 if layer is None:
                     new.add_segment("float", {"weight": read(key).to(device=device, dtype=compute, copy=True)}, {})
                 else:
-                    new.add_segment(layer.fmt, _read_roles(layer, read, device), layer.options)
+                    new.add_segment(layer.fmt, _read_roles(layer, read, device, self.where), layer.options)
             if new.segments[-1].end != out_features:
                 raise CheckpointError(f"{self.where}: {keys[0]} gives {new.segments[-1].end} rows, {path} needs "
                                       f"{out_features}.")
@@ -350,14 +351,15 @@ class QuantPlan:
         return True
 
 
-def _read_roles(layer: QuantLayer, read: Callable, device) -> dict[str, torch.Tensor]:
+def _read_roles(layer: QuantLayer, read: Callable, device, where: str) -> dict[str, torch.Tensor]:
     """Every tensor of a quantized layer in memory of its own on `device`, in its stored dtype (uint8 W4A8 group
-    scales seen as the fp8 bytes they are)."""
+    scales seen as the fp8 bytes they are); every float among them (scales, fp8 weights) checked for NaN/inf."""
     out = {}
     for role, key in layer.keys.items():
         tensor = read(key).to(device=device, copy=True)
         if role == "weight_s_rel" and tensor.dtype == torch.uint8:
             tensor = tensor.view(torch.float8_e4m3fn)
+        check_finite(tensor, f"{key} ({layer.fmt} {role})", where)
         out[role] = tensor
     return out
 
@@ -382,7 +384,7 @@ def _check_runnable(formats: dict[str, str], where: str, instead: str) -> None:
             )
         if fmt not in FORMATS:
             raise CheckpointError(
-                f"{where}: {layer} is quantized as {fmt!r}, a format this pack does not know (it runs "
+                f"{where}: {layer} is quantized as {shown(fmt)}, a format this pack does not know (it runs "
                 f"{', '.join(FORMATS)}). Use {instead} instead."
             )
     ck = kitchen(f"{where} is a quantized checkpoint ({', '.join(sorted(formats))}); its layers")
@@ -445,7 +447,8 @@ def plan_quantization(tensors: dict[str, TensorInfo], metadata: dict, read: Call
     for layer, description in sorted(descriptions.items()):
         weight_key = layer + ".weight"
         if weight_key not in tensors:
-            raise CheckpointError(f"{where}: the file describes a quantized layer {layer} but has no {weight_key}. "
+            raise CheckpointError(f"{where}: the file describes a quantized layer {shown(layer)} but has no "
+                                  f"{shown(weight_key)}. "
                                   f"Download it again, or use {instead}.")
         if not used(weight_key):
             consumed.add(weight_key)

@@ -29,8 +29,9 @@ import torch
 from ..layers.linear import Linear
 from ..layers.lora import LowRankBranch
 from ..transformer.dit import DiTConfig, QwenImage21DiT
-from .checkpoint import FILE_DTYPES, FP8_FILE_DTYPES, CheckpointError, WeightReader, read_header
+from .checkpoint import FILE_DTYPES, FP8_FILE_DTYPES, CheckpointError, WeightReader, read_header, shown
 from .dit_keys import file_plan
+from .finite import check_finite
 
 
 class LoraError(CheckpointError):
@@ -217,7 +218,7 @@ def _block_index(stem: str) -> int | None:
 def _sample(keys, count: int = 5) -> str:
     keys = sorted(keys)
     more = f" (and {len(keys) - count} more)" if len(keys) > count else ""
-    return ", ".join(keys[:count]) + more
+    return ", ".join(shown(key, 80) for key in keys[:count]) + more
 
 
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -241,7 +242,7 @@ def _check_family(keys, where: str) -> None:
     for family, pattern in FOREIGN:
         example = next((key for key in sorted(keys) if pattern.search(key)), None)
         if example is not None:
-            raise LoraError(f"{where} is a LoRA for {family}, not for Qwen-Image 2.1 (e.g. key {example!r}). "
+            raise LoraError(f"{where} is a LoRA for {family}, not for Qwen-Image 2.1 (e.g. key {shown(example)}). "
                             f"{TARGETS_HINT}; pick a LoRA made for Qwen-Image 2.1.")
 
 
@@ -278,7 +279,7 @@ def read_lora(path, config: DiTConfig, name: str | None = None) -> LoraFile:
         if found is None:
             block = _block_index(stem)
             if block is not None and block >= config.num_layers:
-                refused.append(f"{key} targets transformer block {block}, but the model has {config.num_layers}")
+                refused.append(f"{shown(key)} targets transformer block {block}, but the model has {config.num_layers}")
             else:
                 unmatched.append(key)
             continue
@@ -304,6 +305,11 @@ def read_lora(path, config: DiTConfig, name: str | None = None) -> LoraFile:
         target = targets[module]
         down, up = (_matrix_shape(headers[roles[r]].shape) for r in ("down", "up"))
         rows = target.end - target.start
+        if down is not None and up is not None and 0 in (down[0], up[1]):
+            refused.append(f"{module}: down {list(headers[roles['down']].shape)} and up "
+                           f"{list(headers[roles['up']].shape)} have rank 0: the pair adds nothing and alpha / rank "
+                           "is undefined")
+            continue
         if down is None or up is None or down[1] != target.in_features or up[0] != rows or up[1] != down[0]:
             refused.append(f"{module}: down {list(headers[roles['down']].shape)} and up "
                            f"{list(headers[roles['up']].shape)}, expected [rank, {target.in_features}] and "
@@ -337,8 +343,36 @@ def read_lora(path, config: DiTConfig, name: str | None = None) -> LoraFile:
             if alpha is not None and not math.isfinite(alpha):
                 raise LoraError(f"{where}: {roles['alpha']} is {alpha}; the file is damaged.")
             scale = 1.0 if alpha is None else alpha / down.shape[0]
+            _check_pair(where, module, roles, down, up, scale)
             pairs.append(LoraPair(module, target, down, up, scale))
     return LoraFile(where, tuple(pairs), tuple(formats), tuple(ignored.items()))
+
+
+#: The largest entry `alpha / rank * up @ down` may have. The DiT's weights are O(1) (0.02 to 2 in the release), so a
+#: delta 10^4 times larger drives the activations to inf within a few blocks: that is a damaged file (an alpha of
+#: 1e30), not a strong LoRA (real ones stay below 1). Strength, at most 10, comes on top.
+MAX_DELTA = 1e4
+
+
+def _peak(tensor: torch.Tensor) -> float:
+    low, high = torch.aminmax(tensor.float() if tensor.dtype == torch.float64 else tensor)
+    return max(-float(low), float(high))
+
+
+def _check_pair(where: str, module: str, roles: dict, down: torch.Tensor, up: torch.Tensor, scale: float) -> None:
+    """Both matrices finite, and the scaled product within MAX_DELTA: a bound from the two peaks first (two
+    reductions), the exact product only when the bound is exceeded."""
+    for role, matrix in (("down", down), ("up", up)):
+        check_finite(matrix, roles[role], where, "; nothing was applied", LoraError)
+    bound = abs(scale) * down.shape[0] * _peak(down) * _peak(up)
+    if bound <= MAX_DELTA:
+        return
+    largest = float((up.float() @ down.float()).abs().amax()) * abs(scale)
+    if not largest <= MAX_DELTA:  # also NaN: inf * 0
+        alpha = f" (alpha {roles['alpha']!r})" if "alpha" in roles else ""
+        raise LoraError(f"{where}: {module}'s scaled product alpha / rank * up @ down{alpha} reaches {largest:.3g}, "
+                        f"beyond {MAX_DELTA:g} (the DiT's own weights are below 2); it would turn the image into "
+                        "inf/NaN. The file is damaged; nothing was applied.")
 
 
 def _load_matrix(reader: WeightReader, headers, key: str) -> torch.Tensor:

@@ -118,13 +118,42 @@ class _StepClock:
         return [end - start for start, end in self.marks]
 
 
+def loaded_weights(model) -> tuple[str, str]:
+    """(what the DiT runs with, what to try) for the NaN/inf message: the file, its weight format, the compute dtype
+    and the LoRAs, and the advice that fits them instead of a guess."""
+    compute = str(getattr(model, "compute_dtype", "unknown")).removeprefix("torch.")
+    source = getattr(model, "source", None)
+    stored = []
+    if source is not None and source.layout == "gguf":
+        types = {seg.qtype for module in model.modules() for seg in getattr(module, "segments", ())
+                 if hasattr(seg, "qtype")}
+        stored.append(f"GGUF {', '.join(sorted(types))}")
+    elif source is not None and source.quantized:
+        stored.append(f"quantized {', '.join(source.quantized)}")
+    elif any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        stored.append("fp8_e4m3fn block weights")
+    loras = [f"{lora.name} at strength {lora.strength:g}" for lora in getattr(model, "loras", ())]
+    what = (f"{source.path.name if source is not None else 'the DiT'} ({', '.join(stored + [f'{compute} compute'])})"
+            + (f" with LoRA {', '.join(loras)}" if loras else ""))
+    advice = []
+    if compute == "float16":
+        advice.append("load the model with weight_dtype bf16 or fp32 (fp16 overflows)")
+    if loras:
+        advice.append("run without the LoRA or at a lower strength")
+    if stored:
+        advice.append("try the bf16 file")
+    if not advice:
+        advice.append("the weights may be damaged: download the model file again")
+    return what, "; ".join(advice)
+
+
 class _FiniteWatch:
     """The NaN/inf check of the latents after every step. On the CPU it runs at once; on a GPU each step's verdict
     stays on the device and is read when the run ends (one host sync per run, not one per step), and the error
-    still names the first bad step."""
+    still names the first bad step and what was loaded."""
 
-    def __init__(self, device: torch.device, sigmas: torch.Tensor):
-        self.sigmas = sigmas
+    def __init__(self, device: torch.device, sigmas: torch.Tensor, model=None):
+        self.sigmas, self.model = sigmas, model
         self.deferred = device.type == "cuda"
         self.flags = torch.ones(sigmas.numel() - 1, dtype=torch.bool, device=device) if self.deferred else None
 
@@ -139,9 +168,10 @@ class _FiniteWatch:
             self._fail(int((~self.flags).nonzero()[0]))
 
     def _fail(self, step: int) -> None:
+        what, advice = loaded_weights(self.model)
         raise NonFiniteLatentsError(
             f"the latents became NaN/inf at step {step + 1} of {self.sigmas.numel() - 1} (sigma "
-            f"{self.sigmas[step].item():.4f}); with fp16 weights try bf16 or fp32."
+            f"{self.sigmas[step].item():.4f}) running {what}; {advice}."
         )
 
 
@@ -232,7 +262,7 @@ def sample(
     if mask is not None:
         mask, init, kept_noise = (_pack(t).to(device) for t in (mask, init, kept_noise))
     after_block = None if check_interrupt is None else (lambda index: check_interrupt())
-    clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas), [], False
+    clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
     try:
         for i in range(steps if sampler is None else 0):
             mode = "uncached" if not cached else ("prefill" if i == 0 and not hit else "cached")
