@@ -309,7 +309,8 @@ def _failure(server, entry) -> str:
 def check_report(report: dict, sampler: dict) -> None:
     inputs = sampler["inputs"]
     assert REPORT_KEYS <= set(report), f"qi21_report lacks {REPORT_KEYS - set(report)}: {report}"
-    optional = {"notes", "loras", "plan", "peak_bytes"}  # notes when there are any; loras with a LoRA; the plan
+    # notes when there are any; loras with a LoRA; sampler and model_calls with a SAMPLER connected; the plan
+    optional = {"notes", "loras", "plan", "peak_bytes", "sampler", "model_calls"}
     assert set(report) <= REPORT_KEYS | optional, f"unexpected qi21_report keys: {set(report) - REPORT_KEYS}"
     assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
     assert isinstance(report["prefix_tokens"], int) and report["prefix_tokens"] > 0
@@ -320,6 +321,8 @@ def check_report(report: dict, sampler: dict) -> None:
     else:
         expected_steps = TURBO_STEPS if sampler["class_type"] == "QI21TurboSampler" else inputs["steps"]
         assert report["steps"] == expected_steps
+    if isinstance(inputs.get("sampler"), list):  # a ComfyUI SAMPLER: at least one model call per step
+        assert isinstance(report["sampler"], str) and report["model_calls"] >= report["steps"]
     cache_on = inputs.get("prefix_cache", "on") == "on"
     assert report["cache"] in (("miss", "hit") if cache_on else ("off",)), report
     assert isinstance(report["cache_bytes"], int) and (report["cache_bytes"] > 0) == cache_on
@@ -464,7 +467,7 @@ def test_a_run_that_cannot_fit_is_refused_at_once(comfyui_server):
 #: What the refusals below say; the log test accepts tracebacks and error lines that carry one of these (and
 #: ComfyUI's own "* <node> <id>:" lines listing a prompt that failed validation).
 DELIBERATE_REFUSALS = ("PlanError: This run needs", "have rank 0", "holds NaN or infinite values",
-                       "declares 1,099,511,627,776 elements", "the smallest denoise for", "has no input 'sampler'")
+                       "declares 1,099,511,627,776 elements", "the smallest denoise for", "has no input 'guider'")
 HOSTILE_SEEDS = {"rank0_lora": 301, "nan_gguf_scale": 302, "gguf_metadata_bomb": 303, "tiny_denoise": 304,
                  "unknown_input": 305}
 
@@ -563,9 +566,9 @@ def _hostile_prompt(case: str, files) -> dict:
         prompt["911"] = {"class_type": "QI21Sigmas", "inputs": {"schedule": "base", "steps": 40, "width": 0,
                                                                  "height": 0, "denoise": 1e-9}}
         sampler["sigmas"] = ["911", 0]
-    elif case == "unknown_input":  # a SAMPLER wired in by a workflow from another version of the pack
+    elif case == "unknown_input":  # a link into an input this version of the pack does not have
         prompt["913"] = {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}}
-        sampler["sampler"] = ["913", 0]
+        sampler["guider"] = ["913", 0]
     return prompt
 
 
@@ -594,7 +597,7 @@ def _refusal(server, prompt) -> str:
                        r"scales\) holds NaN or infinite values"),
     ("gguf_metadata_bomb", r"qi21_metadata_bomb.safetensors: .*declares 1,099,511,627,776 elements"),
     ("tiny_denoise", r"denoise = 1e-09 with 40 steps .* the smallest denoise for 40 steps is 4e-05"),
-    ("unknown_input", r"Qwen-Image 2.1 Turbo Sampler \(QI21TurboSampler\) has no input 'sampler'"),
+    ("unknown_input", r"Qwen-Image 2.1 Turbo Sampler \(QI21TurboSampler\) has no input 'guider'"),
 ])
 def test_a_hostile_file_or_widget_is_refused_and_the_next_run_equals_a_clean_one(comfyui_server, clean_images,
                                                                               hostile_files, case, expected):

@@ -396,10 +396,10 @@ def test_the_nodes_name_the_smallest_denoise_when_validating():
 @pytest.mark.parametrize("node", NODES, ids=lambda n: n.__name__)
 def test_an_unknown_linked_input_is_named_when_validating_and_when_running(node):
     schema = node.define_schema()
-    message = rf"{schema.display_name} \({schema.node_id}\) has no input 'sampler'; its inputs are"
+    message = rf"{schema.display_name} \({schema.node_id}\) has no input 'guider'; its inputs are"
     if "validate_inputs" in vars(node):  # ComfyUI hands a linked unknown input to the validator as None
         inputs = {spec.id: None for spec in schema.inputs}
-        problem = node.validate_inputs(**inputs, sampler=None)
+        problem = node.validate_inputs(**inputs, guider=None)
         assert problem is not True and re.search(message, problem), problem
     with pytest.raises(ValueError, match=message):
-        node.execute(**{spec.id: None for spec in schema.inputs if not spec.optional}, sampler=object())
+        node.execute(**{spec.id: None for spec in schema.inputs if not spec.optional}, guider=object())

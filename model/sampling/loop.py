@@ -23,6 +23,7 @@ from ..latents import LATENT_CHANNELS, latent_shape
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
 from ..transformer.prefix_cache import PrefixKVCache
 from .cache_store import PrefixCacheStore
+from .denoiser import FlowDenoiser, run_sampler
 from .img2img import finish_latents, start_latents
 from .schedule import euler_step, literal_sigmas, transformer_timestep
 
@@ -196,6 +197,7 @@ def sample(
     noise_mask: torch.Tensor | None = None,
     add_noise: bool = True,
     new_cache=None,
+    sampler=None,
 ) -> SampleResult:
     """Denoise along `sigmas` (used as given; see `literal_sigmas`); returns normalised latents and the report.
 
@@ -210,6 +212,10 @@ def sample(
     (1 = repaint) keeps the rest of `latent_image`. A schedule ending above 0 returns the partly denoised latent.
     `new_cache()` makes the prefix cache of a miss (default `PrefixKVCache`; the memory plan may ask for a host-side
     one, `streaming.HostPrefixKVCache`).
+
+    `sampler(denoiser, sigmas, noise, latent, mask) -> latents` replaces the Euler loop with a sampler of its own
+    over the model as a flow denoiser (denoiser.py: ComfyUI's SAMPLERs through the bridge); the cache is the same,
+    `callback` then runs after every model call (a `denoiser.CallInfo`) and the report counts `model_calls`.
     """
     notes = []
     grid = latent_shape(width, height)
@@ -258,7 +264,7 @@ def sample(
     after_block = None if check_interrupt is None else (lambda index: check_interrupt())
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
     try:
-        for i in range(steps):
+        for i in range(steps if sampler is None else 0):
             mode = "uncached" if not cached else ("prefill" if i == 0 and not hit else "cached")
             modes.append(mode)
             started = clock.start()
@@ -280,6 +286,18 @@ def sample(
             clock.stop(started)
             if callback is not None:
                 callback(StepInfo(i, steps, sigmas[i].item(), x, x_before, v, grid))
+        if sampler is not None:  # the model as a flow denoiser, called wherever the sampler asks (denoiser.py)
+            def forward(packed, t, mode, run_cache=cache if cached else None):
+                return model(torch.cat([packed, packed]) if use_cfg else packed, t, prefixes, sample_prefix,
+                             cache=run_cache, mode=mode, attention=attention, after_block=after_block)
+
+            first_mode = "uncached" if not cached else ("cached" if hit else "prefill")
+            denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=cfg, grid=grid,
+                                    first_mode=first_mode, clock=clock, modes=modes, on_call=callback)
+            start = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
+            kept = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
+            final = run_sampler(sampler, denoiser, sigmas, noise, start, kept, add_noise)
+            watch.check(final, steps - 1)
         watch.finish()
         succeeded = True
     finally:
@@ -310,7 +328,11 @@ def sample(
     if loras:
         report["loras"] = [{"name": lora.name, "strength": lora.strength} for lora in loras]
         notes.extend(note for lora in loras for note in lora.notes)
+    if sampler is not None:
+        report["model_calls"] = len(modes)
     if notes:
         report["notes"] = notes
+    if sampler is not None:  # the sampler undid the noise scaling itself (ComfyUI's inverse_noise_scaling)
+        return SampleResult(final, report)
     return SampleResult(finish_latents(_unpack(x, grid), sigmas[-1].item()), report)
 
