@@ -95,7 +95,7 @@ def test_a_kept_host_cache_is_reused_and_stays_on_the_host(model):
     second, _ = run(model, (0, 2), "host", keep_cache=True, store=store)
     assert first.report["cache"] == "miss" and second.report["cache"] == "hit"
     assert torch.equal(first.latents, second.latents)
-    (kept,) = store._entries.values()
+    (kept,) = store.caches()
     assert isinstance(kept, HostPrefixKVCache) and kept.device.type == "cpu" and kept._slots is None
     store.clear()
 
