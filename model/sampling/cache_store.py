@@ -51,11 +51,12 @@ class PrefixCacheStore:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(model, dtype=None) -> tuple:
-        """The model's identity and dtype, and last its LoRA set (name and strength of each: another strength or
-        another LoRA never reuses a prefix)."""
+    def key(model, *extra, dtype=None) -> tuple:
+        """The model's identity and dtype, anything else that must match (`extra`), and last the model's LoRA set
+        (name and strength of each: another strength or another LoRA never reuses a prefix). The prefix itself is
+        matched by content (`reuse`), not by key."""
         loras = tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
-        return (id(model), str(dtype), loras)
+        return (id(model), str(dtype), *extra, loras)
 
     @property
     def limit_bytes(self) -> int:
