@@ -1,4 +1,4 @@
-"""The memory planner's choices for the released model on common GPUs, as Markdown tables (pasted into the README).
+"""The memory planner's choices for the released model on common GPUs, as Markdown tables (for docs/measurements.md).
 
 No GPU or weights needed: the planner works from sizes (model/memory/planner.py). For each card, each workload at
 1024x1024 (text-to-image, a one-reference edit, a three-reference edit of 1024x1024 references, a 75-token prompt,

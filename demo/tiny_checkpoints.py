@@ -372,7 +372,7 @@ def vae_config_json(config: QwenImage21VAEConfig) -> dict:
 
 # -- text encoder (docs/checkpoints.md) ----------------------------------------------------------------------
 def tiny_text_encoder_config() -> Qwen3VLConfig:
-    """A tiny Qwen3-VL whose unseen values are the ones `text_encoder_loading` assumes for a single file.
+    """A tiny Qwen3-VL whose unseen values are the ones `loaders/text_encoder.py` assumes for a single file.
 
     M-RoPE split [2, 1, 1] is the released [24, 20, 20] scaled to head_dim 8 (`_scaled_mrope`); a 27-block tower
     gets the 8B's DeepStack layers. One VLM token is still 32x32 px (patch 16, merge 2).

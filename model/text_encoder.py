@@ -22,7 +22,7 @@ Two guards the reference pipeline lacks: a prompt and reference set whose DiT se
 positions the model is not defined for is refused before anything is encoded (`MAX_ROPE_POSITIONS`), and
 `interruptible` lets a caller stop an encoding between layers.
 
-Loading from files lives in `text_encoder_loading.py`. Image preprocessing uses transformers' PIL/numpy
+Loading from files lives in `loaders/text_encoder.py`. Image preprocessing uses transformers' PIL/numpy
 Qwen2-VL image processor, never the torchvision "fast" one.
 """
 
@@ -153,7 +153,7 @@ class QwenImageTextEncoder:
 
     Args:
         model: a transformers `Qwen3VLModel` whose `language_model.norm` is an identity (see the module
-            docstring); `text_encoder_loading.load_text_encoder` builds one from files.
+            docstring); `loaders.text_encoder.load_text_encoder` builds one from files.
         tokenizer: a Qwen2 BPE tokenizer (transformers `Qwen2Tokenizer`).
         image_processor: transformers' PIL Qwen2-VL image processor (`Qwen2VLImageProcessorPil`).
         source: free-form description of where the weights came from, for reports.

@@ -14,7 +14,7 @@ frame every 3D piece collapses to a 2D one, which is all this file implements:
 - no feature cache: it only exists to carry frames into the next temporal chunk.
 
 Parameter names are diffusers' (minus `time_conv`), so a diffusers state dict loads after reshapes only;
-`vae_loading.py` maps ComfyUI's Wan names onto them. References: diffusers 0.42.1
+`loaders/vae.py` maps ComfyUI's Wan names onto them. References: diffusers 0.42.1
 `autoencoder_kl_qwenimage21.py` (the numerical oracle of the tests) and ComfyUI `comfy/ldm/wan/vae2_2.py`.
 """
 
@@ -394,7 +394,7 @@ class QwenImage21VAE(nn.Module):
     def __init__(self, config: QwenImage21VAEConfig = QwenImage21VAEConfig()):
         super().__init__()
         self.config = config
-        self.source = None  # what it was loaded from (`vae_loading.VAESource`); None when built in memory
+        self.source = None  # what it was loaded from (`loaders.vae.VAESource`); None when built in memory
         self.encoder = Encoder(config)
         self.quant_conv = nn.Conv2d(2 * config.z_dim, 2 * config.z_dim, 1)
         self.post_quant_conv = nn.Conv2d(config.z_dim, config.z_dim, 1)

@@ -5,13 +5,9 @@ previews. Without ComfyUI every service falls back to plain PyTorch behaviour, s
 
 import logging
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
-from ..model.memory.planner import Budget
-from ..model.memory.streaming import place_layers, resident_part
 
 log = logging.getLogger("qi21")
 
@@ -111,10 +107,6 @@ def offload_device() -> torch.device:
     return _mm.unet_offload_device() if HAVE_COMFY else torch.device("cpu")
 
 
-def module_bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
-
-
 def free_memory(nbytes: int, device: torch.device) -> None:
     """Ask ComfyUI to unload other models until `nbytes` fit on `device` (nothing to do without ComfyUI)."""
     if HAVE_COMFY and device.type != "cpu":
@@ -163,8 +155,9 @@ def _bytes_on(tensors, device: torch.device) -> int:
     return total
 
 
-def memory_budget(device, modules=(), tensors=()) -> Budget:
-    """What a run may use, for the memory planner (model/memory/planner.py).
+def memory_figures(device, modules=(), tensors=()) -> dict:
+    """What a run may use on `device`, as plain numbers (the keyword arguments of the planner's `Budget`, which
+    nodes/placement.py builds from them).
 
     On a GPU: what is free, plus what ComfyUI would evict for the run (every model it holds on that device, ours
     included), minus its reserve (`--reserve-vram`); without ComfyUI, `torch.cuda.mem_get_info`'s free memory plus
@@ -183,8 +176,8 @@ def memory_budget(device, modules=(), tensors=()) -> Budget:
     host_held = _bytes_on(module_tensors, cpu)
     if device.type == "cpu":
         held = host_held + _bytes_on(tensors, cpu)
-        return Budget(device=(available if available is not None else 1 << 62) + held, host=None, unified=True,
-                      where="cpu", held=held)
+        return dict(device=(available if available is not None else 1 << 62) + held, host=None, unified=True,
+                    where="cpu", held=held)
     held = _bytes_on(module_tensors, device)
     reclaim = _bytes_on(tensors, device)
     host = None if available is None else available + host_held
@@ -193,37 +186,11 @@ def memory_budget(device, modules=(), tensors=()) -> Budget:
         evictable = sum(loaded.model_loaded_memory() for loaded in list(_mm.current_loaded_models)
                         if loaded.device == device and loaded.model is not None)
         reserve = int(_mm.extra_reserved_memory())
-        return Budget(int(free + evictable - reserve + reclaim), host, where=str(device), mode=vram_mode(),
-                      reserve=reserve, held=held)
+        return dict(device=int(free + evictable - reserve + reclaim), host=host, where=str(device),
+                    mode=vram_mode(), reserve=reserve, held=held)
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return Budget(int(free + held + reclaim), host, where=str(device), held=held)
-
-
-@contextmanager
-def on_device(module: torch.nn.Module, device: torch.device | None = None, offload_after: bool = False, *,
-              layers=(), streamed=(), memory_required: int = 0):
-    """Run `module` on the compute device (or `device`), under ComfyUI's model management when ComfyUI is there
-    (`load_managed`): it frees other models for this one (and `memory_required` bytes of activations beside it),
-    and can evict this one later for others. `streamed` indices of `layers` stay in host memory (the caller streams
-    them, memory/streaming.py). With `offload_after` the module goes back to the offload device when done (the text
-    encoder: 16 GiB nobody needs during sampling); under ComfyUI it stays loaded and ComfyUI evicts it as soon as
-    another model (the DiT) needs the room, as it does with its own text encoders."""
-    device = torch.device(device) if device is not None else compute_device()
-    managed = HAVE_COMFY and device.type != "cpu" and device == compute_device()
-    if managed:
-        device = load_managed(module, layers=layers, streamed=streamed, memory_required=memory_required,
-                              what=type(module).__name__)
-    else:
-        if device.type != "cpu":
-            free_memory(module_bytes(module) + memory_required, device)
-        place_layers(module, layers, streamed, device)
-    try:
-        yield device
-    finally:
-        if offload_after and not managed and device != offload_device():
-            module.to(offload_device())
-            empty_cache()
+    return dict(device=int(free + held + reclaim), host=host, where=str(device), held=held)
 
 
 _warned_unmanaged = False
@@ -238,9 +205,9 @@ def _forget(patcher) -> None:
             return
 
 
-def _patcher(model: torch.nn.Module, layers, streamed: tuple, on_unload, what: str):
-    """ComfyUI's ModelPatcher over the resident part of `model` (all of it when nothing is streamed), kept in the
-    model's `manager` field and remade when the streamed set changes."""
+def _patcher(model: torch.nn.Module, resident, streamed: tuple, on_unload, what: str):
+    """ComfyUI's ModelPatcher over the resident part of `model` (`resident()`; all of it when nothing is streamed),
+    kept in the model's `manager` field and remade when the streamed set changes."""
     import comfy.model_patcher
     from comfy.patcher_extension import CallbacksMP
 
@@ -252,9 +219,10 @@ def _patcher(model: torch.nn.Module, layers, streamed: tuple, on_unload, what: s
         _forget(patcher)
     # always a container of the resident subtrees (the whole model when nothing is streamed): ComfyUI sets attributes
     # such as `device` on what it loads, which a transformers model (the text encoder) has as a read-only property
-    part = resident_part(model, layers, streamed)
+    part = resident()
+    size = sum(t.numel() * t.element_size() for t in part.state_dict().values())
     patcher = comfy.model_patcher.ModelPatcher(part, load_device=compute_device(), offload_device=offload_device(),
-                                               size=module_bytes(part))
+                                               size=size)
     patcher.qi21_streamed = streamed
     if on_unload is not None:
         def unloaded(patcher, unpatch_all=True):
@@ -272,42 +240,33 @@ def _patcher(model: torch.nn.Module, layers, streamed: tuple, on_unload, what: s
     return patcher
 
 
-def load_managed(model: torch.nn.Module, on_unload=None, *, layers=None, streamed=(), memory_required: int = 0,
-                 what: str = "DiT") -> torch.device:
-    """Put `model` on the compute device the way ComfyUI loads its own models, so ComfyUI can evict it when
-    another model needs the room and on "Unload Models", and frees other models for it (and for
-    `memory_required` bytes beside it: the run's activations, cache and streaming slots, as the planner predicts
-    them). `on_unload(model)` runs when it is evicted (the kept prefix caches go with it).
-
-    `streamed` indices of `layers` (default: the DiT's blocks) are not ComfyUI's to load: ComfyUI manages the
-    rest (`streaming.resident_part`) and the streamed layers go to pinned host memory, from where
-    `streaming.LayerStreamer` copies them in. Without ComfyUI, or if ComfyUI's model patcher refuses the module,
-    the model is placed by hand (loudly, once)."""
+def load_managed(model: torch.nn.Module, resident, streamed: tuple = (), on_unload=None, *,
+                 memory_required: int = 0, what: str = "DiT") -> torch.device | None:
+    """Have ComfyUI load the resident part of `model` (`resident()`, a module) the way it loads its own models, so
+    it can evict it when another model needs the room and on "Unload Models", and frees other models for it (and
+    for `memory_required` bytes beside it: the run's activations, cache and streaming slots). `streamed` (the
+    layers that stay with the streamer) keys the patcher: a new set makes a new one. `on_unload(model)` runs when
+    ComfyUI evicts it. Returns ComfyUI's load device, or None without ComfyUI or when its model patcher refuses the
+    module (said loudly, once): then the caller places the model itself."""
     global _warned_unmanaged
-    layers = getattr(model, "blocks", ()) if layers is None else layers
-    streamed = tuple(streamed)
-    if HAVE_COMFY:
-        try:
-            patcher = _patcher(model, layers, streamed, on_unload, what)
-            # full load of the resident part: our layers are plain PyTorch, they cannot stream weights through
-            # ComfyUI's own ops; what does not fit was planned as streamed instead
-            _mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
-            place_layers(model, layers, streamed, patcher.load_device)
-            return patcher.load_device
-        except (MemoryError, torch.cuda.OutOfMemoryError, KeyboardInterrupt):
+    if not HAVE_COMFY:
+        return None
+    try:
+        patcher = _patcher(model, resident, tuple(streamed), on_unload, what)
+        # full load of the resident part: our layers are plain PyTorch, they cannot stream weights through
+        # ComfyUI's own ops; what does not fit was planned as streamed instead
+        _mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
+        return patcher.load_device
+    except (MemoryError, torch.cuda.OutOfMemoryError, KeyboardInterrupt):
+        raise
+    except Exception as error:  # an API change must not stop sampling: fall back, and say so
+        if type(error).__name__ == "InterruptProcessingException":  # ComfyUI's Cancel is not a refusal
             raise
-        except Exception as error:  # an API change must not stop sampling: fall back, and say so
-            if type(error).__name__ == "InterruptProcessingException":  # ComfyUI's Cancel is not a refusal
-                raise
-            if not _warned_unmanaged:
-                log.warning("qi21: ComfyUI's model manager refused the %s (%s); moving it by hand, so ComfyUI will "
-                            "not evict it automatically.", what, error)
-                _warned_unmanaged = True
-    device = compute_device()
-    if device.type != "cpu":
-        free_memory(module_bytes(model) + memory_required, device)
-    place_layers(model, layers, streamed, device)
-    return device
+        if not _warned_unmanaged:
+            log.warning("qi21: ComfyUI's model manager refused the %s (%s); moving it by hand, so ComfyUI will "
+                        "not evict it automatically.", what, error)
+            _warned_unmanaged = True
+    return None
 
 
 # -- progress, interrupt, previews --------------------------------------------------------------------------

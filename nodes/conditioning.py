@@ -50,7 +50,7 @@ class QI21Reference(io.ComfyNode):
                                "Reference node per image).", image.shape[0])
         # resize and size checks first: a refused image must not make ComfyUI unload models to move the VAE
         prepared = prepare_reference(image, mask, resolution)
-        with bridge.on_device(vae):
+        with placement.on_device(vae):
             reference = encode_prepared(vae, prepared)
         return io.NodeOutput(chain_references(references, reference))
 

@@ -3,7 +3,7 @@
 import torch
 
 from ..model.pipeline import decode_images
-from . import bridge, placement
+from . import placement
 from .bridge import io
 from .types import CATEGORY, VAE
 from .validation import require, widget_problem
@@ -49,6 +49,6 @@ class QI21VAEDecode(io.ComfyNode):
         use_tiles, activations = TILED[tiled], 0
         if use_tiles is None:  # auto: one pass when the planner says it fits (the reference's result exactly)
             use_tiles, activations = placement.decode_tiled(vae, latents)
-        with bridge.on_device(vae, memory_required=activations):
+        with placement.on_device(vae, memory_required=activations):
             rgb, mask, rgba = decode_images(vae, latents, tiled=use_tiles)
         return io.NodeOutput(rgb, mask, rgba)

@@ -1,7 +1,7 @@
 """VAE encode: an IMAGE (RGB or RGBA) into a raw Qwen-Image 2.1 LATENT, for img2img and inpainting."""
 
 from ..model.pipeline import encode_images
-from . import bridge
+from . import bridge, placement
 from .bridge import io
 from .decode import TILED
 from .types import CATEGORY, VAE
@@ -36,7 +36,7 @@ class QI21VAEEncode(io.ComfyNode):
     @classmethod
     def execute(cls, vae, image, mask=None, tiled="auto") -> io.NodeOutput:
         require(widget_problem(cls, tiled=tiled))  # ComfyUI checks it only when it is not linked
-        with bridge.on_device(vae):
+        with placement.on_device(vae):
             raw, note = encode_images(vae, image, mask, tiled=TILED[tiled])
         if note:
             bridge.log.warning("qi21 VAE encode: %s", note)

@@ -13,7 +13,7 @@ from ..model.loaders.checkpoint import WEIGHT_DTYPES
 from ..model.loaders.dit import load_dit
 from ..model.loaders.text_encoder import load_text_encoder
 from ..model.loaders.vae import load_vae
-from ..model.memory.planner import PLACEMENTS
+from ..model.memory.planner import PLAN_CHOICES
 from . import bridge
 from .bridge import io
 from .placement import PLAN_TOOLTIP
@@ -39,14 +39,14 @@ def _not_listed(kind: str, name) -> str | None:
     return f"{name!r} is not in the {kind} folders; pick a listed file or refresh (R) after copying it there."
 
 
-def _file_problem(node, kind: str, name, **widgets) -> str | bool:
+def file_problem(node, kind: str, name, **widgets) -> str | bool:
     """A loader's `validate_inputs`: a listed file and widgets inside their lists. A name fed by a link (a switch,
     a primitive) is None here and is checked by `execute` once it is known."""
     problem = _not_listed(kind, name) if name is not None else None
     return problem or widget_problem(node, **widgets)
 
 
-def _checked_path(node, kind: str, name, **widgets) -> Path:
+def checked_path(node, kind: str, name, **widgets) -> Path:
     """Where `name` is, after the checks `validate_inputs` makes, with the same messages. Only names that
     `model_choices` lists pass, so nothing outside the model folders can be named ("../../x.safetensors")."""
     require(_not_listed(kind, name) or widget_problem(node, **widgets))
@@ -59,7 +59,7 @@ def _default_dtype(weight_dtype: str, device: torch.device) -> str:
     return "fp32" if weight_dtype == "default" and device.type == "cpu" else weight_dtype
 
 
-def _load(loader, *args, **kwargs):
+def load_or_free(loader, *args, **kwargs):
     """Run a loader; on any failure nothing it allocated stays referenced (the error names the file)."""
     try:
         return loader(*args, **kwargs)
@@ -98,7 +98,7 @@ class QI21ModelLoader(io.ComfyNode):
                                tooltip="Prefill attention. auto = sdpa: exact, no compilation. flex runs the "
                                        "block-causal prefill in one compiled call (CUDA); first use compiles for a "
                                        "while."),
-                io.Combo.Input("plan", options=list(PLACEMENTS), default="auto", optional=True,
+                io.Combo.Input("plan", options=list(PLAN_CHOICES), default="auto", optional=True,
                                tooltip=PLAN_TOOLTIP),
             ],
             outputs=[Model.Output(display_name="model")],
@@ -106,15 +106,16 @@ class QI21ModelLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name=None, **kwargs):
-        return _file_problem(cls, "diffusion_models", model_name, **kwargs)
+        return file_problem(cls, "diffusion_models", model_name, **kwargs)
 
     @classmethod
     def execute(cls, model_name, weight_dtype, attention="auto", plan="auto") -> io.NodeOutput:
-        path = _checked_path(cls, "diffusion_models", model_name, weight_dtype=weight_dtype, attention=attention,
+        path = checked_path(cls, "diffusion_models", model_name, weight_dtype=weight_dtype, attention=attention,
                              plan=plan)
         weight_dtype = _default_dtype(weight_dtype, bridge.compute_device())
-        model = _load(load_dit, path, weight_dtype=weight_dtype, device=bridge.offload_device(), attention=attention)
-        model.placement = plan  # read by the samplers' memory planner (nodes/placement.py)
+        model = load_or_free(load_dit, path, weight_dtype=weight_dtype, device=bridge.offload_device(),
+                             attention=attention)
+        model.plan_choice = plan  # read by the samplers' memory planner (nodes/placement.py)
         bridge.log.info("qi21: loaded %s (%s layout, variant %s from %s)", path.name, model.source.layout,
                         model.source.variant, model.source.variant_from)
         return io.NodeOutput(model)
@@ -147,13 +148,13 @@ class QI21TextEncoderLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, text_encoder_name=None, **kwargs):
-        return _file_problem(cls, "text_encoders", text_encoder_name, **kwargs)
+        return file_problem(cls, "text_encoders", text_encoder_name, **kwargs)
 
     @classmethod
     def execute(cls, text_encoder_name, weight_dtype, device="default") -> io.NodeOutput:
-        path = _checked_path(cls, "text_encoders", text_encoder_name, weight_dtype=weight_dtype, device=device)
+        path = checked_path(cls, "text_encoders", text_encoder_name, weight_dtype=weight_dtype, device=device)
         runs_on = torch.device("cpu") if device == "cpu" else bridge.compute_device()
-        encoder = _load(load_text_encoder, path, weight_dtype=_default_dtype(weight_dtype, runs_on),
+        encoder = load_or_free(load_text_encoder, path, weight_dtype=_default_dtype(weight_dtype, runs_on),
                         device=bridge.offload_device(), fallback_tokenizer_dir=bridge.comfy_tokenizer_dir())
         encoder.preferred_device = torch.device("cpu") if device == "cpu" else None  # None: the compute device
         return io.NodeOutput(encoder)
@@ -183,10 +184,10 @@ class QI21VAELoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, vae_name=None, **kwargs):
-        return _file_problem(cls, "vae", vae_name, **kwargs)
+        return file_problem(cls, "vae", vae_name, **kwargs)
 
     @classmethod
     def execute(cls, vae_name, weight_dtype) -> io.NodeOutput:
-        path = _checked_path(cls, "vae", vae_name, weight_dtype=weight_dtype)
+        path = checked_path(cls, "vae", vae_name, weight_dtype=weight_dtype)
         weight_dtype = _default_dtype(weight_dtype, bridge.compute_device())
-        return io.NodeOutput(_load(load_vae, path, weight_dtype=weight_dtype, device=bridge.offload_device()))
+        return io.NodeOutput(load_or_free(load_vae, path, weight_dtype=weight_dtype, device=bridge.offload_device()))

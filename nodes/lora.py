@@ -8,7 +8,7 @@ that uses the model without the LoRA gets the model without the LoRA.
 from ..model.loaders.lora import apply_lora
 from . import bridge
 from .bridge import io
-from .loaders import _checked_path, _file_problem, _load
+from .loaders import checked_path, file_problem, load_or_free
 from .types import CATEGORY, Model
 
 MAX_STRENGTH = 10.0
@@ -41,10 +41,10 @@ class QI21LoraLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, lora_name=None, **kwargs):
-        return _file_problem(cls, "loras", lora_name, **kwargs)
+        return file_problem(cls, "loras", lora_name, **kwargs)
 
     @classmethod
     def execute(cls, model, lora_name, strength) -> io.NodeOutput:
-        path = _checked_path(cls, "loras", lora_name, strength=strength)
-        return io.NodeOutput(_load(apply_lora, model, path, strength, name=lora_name))
+        path = checked_path(cls, "loras", lora_name, strength=strength)
+        return io.NodeOutput(load_or_free(apply_lora, model, path, strength, name=lora_name))
 

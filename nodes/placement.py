@@ -1,11 +1,13 @@
-"""The memory planner (model/memory/) wired to the nodes: what each node asks before it moves a model, and what
-it does with the answer. The bridge supplies the figures (ComfyUI's free memory and VRAM mode, or torch's) and
-the loading; model/memory/streaming.py does the streaming.
+"""A component on the device for one job: the one place that decides where the DiT, the text encoder and the VAE
+go, moves them there, and reports it. It builds the planner's `Budget` from the plain figures the bridge reports
+(ComfyUI's free memory and VRAM mode, or torch's), plans (model/memory/planner.py), sizes and owns the store of
+kept prefix caches, loads (through ComfyUI's model management when it is there), streams (model/memory/streaming.py)
+and measures.
 
-    plan_sampling(...)       the samplers' plan, or a PlanError before any weight moves (replaces the old estimate)
-    placed(model, plan)      loads the DiT under the plan (resident part through ComfyUI, streamed blocks pinned on
-                             the host), sizes the kept-cache store, streams during the run, reports plan and peak
+    plan_sampling(...)       a sampler's `Sampling`: the plan, or a PlanError before any weight moves
+    Sampling.placed()        the DiT loaded under the plan for the run; `new_cache` and `store` go to `sample`
     text_encoder_on_device   the text encoder, whole or with its decoder layers streamed
+    on_device(vae)           the VAE (or any module) for one encode or decode
     decode_tiled(vae, ...)   `tiled=auto`: one pass when it fits, tiles otherwise
 """
 
@@ -14,11 +16,12 @@ from contextlib import contextmanager
 import torch
 
 from ..model.latents import latent_shape
+from ..model.layers.lora import release_branches
 from ..model.memory.estimate import EncoderDims, VAEShape, encode_transient
-from ..model.memory.planner import PLACEMENTS, RunShape, plan_decode, plan_layers, plan_run
-from ..model.memory.streaming import LayerStreamer, StreamedRun
-from ..model.memory.weights import dit_weights, layered_weights
-from ..model.sampling.cache_store import DEFAULT_STORE
+from ..model.memory.planner import PLAN_CHOICES, Budget, RunShape, plan_decode, plan_layers, plan_run
+from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
+from ..model.memory.weights import dit_weights, layered_weights, module_tensors, tensor_bytes
+from ..model.sampling.cache_store import PrefixCacheStore
 from . import bridge
 
 PLAN_TOOLTIP = ("Where the DiT's weights live while it samples. auto picks the fastest plan that fits the free VRAM: "
@@ -29,11 +32,54 @@ PLAN_TOOLTIP = ("Where the DiT's weights live while it samples. auto picks the f
                 "every block (least VRAM: about 1.2 GB of weights on the GPU; slowest). The plan is in the "
                 "sampler's report.")
 
+#: The prefix caches kept between runs (`keep_cache`), bounded by what the plan leaves free beside each run.
+KEPT_CACHES = PrefixCacheStore(budget_bytes=None)
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
+
+def memory_budget(device, modules=(), tensors=()) -> Budget:
+    """The planner's view of `device` (see `bridge.memory_figures` for what is counted)."""
+    return Budget(**bridge.memory_figures(device, modules=modules, tensors=tensors))
 
 
+def place(module: torch.nn.Module, layers=(), streamed=(), on_unload=None, memory_required: int = 0,
+          what: str = "DiT") -> torch.device:
+    """`module` on the compute device with `layers[i]`, i in `streamed`, left in (pinned) host memory for the
+    streamer: through ComfyUI's model management when it takes it, by hand otherwise."""
+    streamed = tuple(streamed)
+    device = bridge.load_managed(module, lambda: resident_part(module, layers, streamed), streamed, on_unload,
+                                 memory_required=memory_required, what=what)
+    if device is None:
+        device = bridge.compute_device()
+        if device.type != "cpu":
+            bridge.free_memory(tensor_bytes(module_tensors(module)) + memory_required, device)
+    place_layers(module, layers, streamed, device)
+    return device
+
+
+@contextmanager
+def on_device(module: torch.nn.Module, device: torch.device | None = None, offload_after: bool = False, *,
+              layers=(), streamed=(), memory_required: int = 0):
+    """Run `module` on the compute device (or `device`) for one job, `memory_required` bytes of activations beside
+    it. With `offload_after` it goes back to the offload device when done unless ComfyUI manages it (the text
+    encoder: 16 GiB nobody needs during sampling; ComfyUI evicts it as soon as the DiT needs the room, as it does
+    with its own text encoders)."""
+    device = torch.device(device) if device is not None else bridge.compute_device()
+    managed = bridge.HAVE_COMFY and device.type != "cpu" and device == bridge.compute_device()
+    if managed:
+        device = place(module, layers, streamed, memory_required=memory_required, what=type(module).__name__)
+    else:
+        if device.type != "cpu":
+            bridge.free_memory(tensor_bytes(module_tensors(module)) + memory_required, device)
+        place_layers(module, layers, streamed, device)
+    try:
+        yield device
+    finally:
+        if offload_after and not managed and device != bridge.offload_device():
+            module.to(bridge.offload_device())
+            bridge.empty_cache()
+
+
+# -- the DiT ---------------------------------------------------------------------------------------------------------
 def run_shape(model, positive, negative, width: int, height: int, batch: int, prefix_cache: bool) -> RunShape:
     grid = latent_shape(width, height)
     conditionings = [positive] + ([negative] if negative is not None else [])
@@ -41,53 +87,63 @@ def run_shape(model, positive, negative, width: int, height: int, batch: int, pr
                     prefix_cache, tuple(h * w for h, w in positive.ref_shapes))
 
 
-def plan_sampling(model, positive, negative, width: int, height: int, batch: int, prefix_cache: bool):
-    """The sampling plan for this run (`planner.Plan`); `planner.PlanError` (a MemoryError) with the numbers and
-    what to change when nothing fits. Reads memory only: nothing is allocated or moved."""
+def dit_unloaded(model) -> None:
+    """ComfyUI unloaded the DiT: its kept prefix caches and its LoRA branches' device copies go with it."""
+    KEPT_CACHES.evict_model(id(model))
+    release_branches(model)
+
+
+def plan_sampling(model, positive, negative, width: int, height: int, batch: int, prefix_cache: bool) -> "Sampling":
+    """The sampling plan for this run; `planner.PlanError` (a MemoryError) with the numbers and what to change when
+    nothing fits. Reads memory only: nothing is allocated or moved."""
     device = bridge.compute_device()
-    budget = bridge.memory_budget(device, modules=[model], tensors=DEFAULT_STORE.payloads())
-    placement = getattr(model, "placement", "auto")
-    if placement not in PLACEMENTS:
-        placement = "auto"
+    budget = memory_budget(device, modules=[model], tensors=KEPT_CACHES.payloads())
+    choice = getattr(model, "plan_choice", "auto")
+    if choice not in PLAN_CHOICES:
+        choice = "auto"
+    weights = dit_weights(model)
+    itemsize = model.compute_dtype.itemsize
     run = run_shape(model, positive, negative, width, height, batch, prefix_cache)
-    return plan_run(dit_weights(model), model.config, run, budget, _itemsize(model.compute_dtype), placement,
-                    VAEShape.released(_itemsize(model.compute_dtype)))
+    plan = plan_run(weights, model.config, run, budget, itemsize, choice, VAEShape.released(itemsize))
+    return Sampling(model, plan, weights)
 
 
-class Placed:
-    """A DiT placed under a plan for one run: `new_cache` for `sample`, and the report entries afterwards."""
+class Sampling:
+    """One sampler run's placement: the plan (made before anything is allocated) and, inside `placed()`, what
+    `sample` takes from it (`new_cache`: the planned kind of prefix cache; `store`: where kept caches live)."""
 
-    def __init__(self, plan, device: torch.device):
-        self.plan, self.device = plan, device
+    def __init__(self, model, plan, weights):
+        self.model, self.plan, self.weights = model, plan, weights
+        self.store = KEPT_CACHES
         self.new_cache = None
         self.peak_bytes = None
+
+    @contextmanager
+    def placed(self):
+        """Load the DiT as planned and run the body with its blocks streamed (if any) and its caches made as
+        planned; on a GPU the device peak of the run is measured (`peak_bytes`) next to the plan's prediction."""
+        plan = self.plan
+        if plan.cache == "host":  # the plan counted kept device caches as free room: release them
+            self.store.drop_where(lambda cache: cache.device is not None and cache.device.type != "cpu")
+        self.store.set_free(plan.store_budget)  # kept caches beside this run: from what is free, not a constant
+        resident = self.weights.total - self.weights.streamed_bytes(plan.streamed)
+        beside = plan.sampling_peak - resident  # the run's activations, cache and streaming slots
+        device = place(self.model, self.model.blocks, plan.streamed, on_unload=dit_unloaded,
+                       memory_required=max(0, beside))
+        measure = device.type == "cuda"
+        if measure:
+            torch.cuda.reset_peak_memory_stats(device)
+        with StreamedRun(self.model, plan.streamed, plan.cache, device) as streamed_run:
+            self.new_cache = streamed_run.new_cache
+            yield self
+        if measure:
+            self.peak_bytes = torch.cuda.max_memory_allocated(device)
 
     def report(self) -> dict:
         out = {"plan": self.plan.report()}
         if self.peak_bytes is not None:
             out["peak_bytes"] = int(self.peak_bytes)
         return out
-
-
-@contextmanager
-def placed(model, plan, on_unload=None):
-    """Load `model` as `plan` says and run the body with its blocks streamed (if any) and its caches made as planned;
-    on a GPU the device peak of the run is measured (`peak_bytes`) next to the plan's prediction."""
-    if plan.cache == "host":  # the plan counted kept device caches as free room: release them
-        DEFAULT_STORE.drop_where(lambda cache: cache.device is not None and cache.device.type != "cpu")
-    DEFAULT_STORE.set_free(plan.store_budget)  # kept caches beside this run: from what is free, not a constant
-    weights = dit_weights(model)
-    beside = plan.sampling_peak - (weights.total - weights.streamed_bytes(plan.streamed))  # run + streaming slots
-    device = bridge.load_managed(model, on_unload=on_unload, streamed=plan.streamed, memory_required=max(0, beside))
-    result = Placed(plan, device)
-    measure = device.type == "cuda"
-    if measure:
-        torch.cuda.reset_peak_memory_stats(device)
-    with StreamedRun(model, plan.streamed, plan.cache, device) as streamed_run:
-        result.new_cache = streamed_run.new_cache
-        yield result
-    if measure:
-        result.peak_bytes = torch.cuda.max_memory_allocated(device)
 
 
 # -- the text encoder ------------------------------------------------------------------------------------------------
@@ -110,14 +166,14 @@ def text_encoder_on_device(text_encoder, prompt: str, references=()):
     model = text_encoder.model
     layers = model.language_model.layers
     tokens, patches = encoder_shape(text_encoder, prompt, references)
-    transient = encode_transient(EncoderDims.of(model), tokens, patches, _itemsize(text_encoder.dtype))
-    budget = bridge.memory_budget(device, modules=[model])
+    transient = encode_transient(EncoderDims.of(model), tokens, patches, text_encoder.dtype.itemsize)
+    budget = memory_budget(device, modules=[model])
     weights = layered_weights(model, layers, "text encoder")
     plan = plan_layers(weights, transient, budget)
     streamed = plan.streamed
     beside = plan.peak - (weights.total - weights.streamed_bytes(streamed))  # activations + streaming slots
-    with bridge.on_device(model, device=device, offload_after=True, layers=layers, streamed=streamed,
-                          memory_required=max(0, beside)) as where:
+    with on_device(model, device=device, offload_after=True, layers=layers, streamed=streamed,
+                   memory_required=max(0, beside)) as where:
         with LayerStreamer(layers, streamed, where):
             yield where
 
@@ -128,5 +184,5 @@ def decode_tiled(vae, latents: torch.Tensor) -> tuple[bool, int]:
     (equal to the reference exactly), tiled otherwise; `planner.PlanError` when even tiles do not fit."""
     device = bridge.compute_device()
     shape = VAEShape.of(vae)
-    plan = plan_decode(shape, latents.shape[0], tuple(latents.shape[-2:]), bridge.memory_budget(device, modules=[vae]))
+    plan = plan_decode(shape, latents.shape[0], tuple(latents.shape[-2:]), memory_budget(device, modules=[vae]))
     return plan.tiled, max(0, plan.peak - shape.weight_bytes)

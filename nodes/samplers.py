@@ -12,8 +12,6 @@ from ..model.latents import (
     sampling_size,
     target_size,
 )
-from ..model.layers.lora import release_branches
-from ..model.sampling.cache_store import DEFAULT_STORE
 from ..model.sampling.img2img import check_denoise, check_latent, denoise_tail, fixed_tail, latent_mask
 from ..model.sampling.loop import initial_noise, sample
 from ..model.sampling.schedule import base_sigmas, literal_sigmas, turbo_sigmas
@@ -34,7 +32,8 @@ PREFIX_CACHE_TOOLTIP = ("on: the first step computes the prompt and references o
                         "cache out.")
 KEEP_CACHE_TOOLTIP = ("Keep the prefix cache after the run (bounded store, least-recently-used eviction) so the next "
                       "run with the same model, prompt and references (another seed, size or batch) skips the first "
-                      "step's prefill. Costs the cache's memory between runs; off frees it at the end.")
+                      "step's prefill, and a run with the same references but other words computes only the words. "
+                      "Costs the cache's memory between runs; off frees it at the end.")
 
 
 def _size_inputs():
@@ -148,8 +147,8 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     # The memory plan, made before the noise or anything else is allocated: a run that fits no placement (a
     # 4096x4096 batch of 64 is within the widgets' limits and would otherwise grow until the OS kills the server)
     # is refused here with the least memory it needs and what to change (model/memory/planner.py).
-    plan = placement.plan_sampling(model, positive, negative if cfg > 1 else None, width, height, batch_size,
-                                   prefix_cache == "on")
+    job = placement.plan_sampling(model, positive, negative if cfg > 1 else None, width, height, batch_size,
+                                  prefix_cache == "on")
     progress = bridge.Progress(len(sigmas) - 1)
     show_previews = bridge.previews_enabled()
 
@@ -162,25 +161,19 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     start = None if raw is None else positive.latent_format.normalize(raw)
     noise_mask = None if mask is None else latent_mask(mask, grid, batch_size)
     # -- memory plan (nodes/placement.py): load as planned, stream blocks / cache if planned, report plan and peak --
-    with placement.placed(model, plan, on_unload=_unloaded) as placed:
+    with job.placed():
         result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise, negative=negative,
                         cfg=cfg, prefix_cache=prefix_cache == "on", keep_cache=keep_cache, callback=on_step,
                         check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
-                        add_noise=add_noise, new_cache=placed.new_cache)
+                        add_noise=add_noise, new_cache=job.new_cache, store=job.store)
     report = dict(result.report)
-    report.update(placed.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
+    report.update(job.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
     if notes:
         report["notes"] = notes + report.get("notes", [])
     bridge.log.info("qi21_report %s", json.dumps(report))
     out = {key: latent_image[key] for key in ("noise_mask", "batch_index") if key in (latent_image or {})}
     out["samples"] = positive.latent_format.denormalize(result.latents.float()).cpu()
     return io.NodeOutput(out, ui={"qi21_report": [report]})
-
-
-def _unloaded(model) -> None:
-    """ComfyUI unloaded the DiT: its kept prefix caches and its LoRA branches' device copies go with it."""
-    DEFAULT_STORE.evict_model(id(model))
-    release_branches(model)
 
 
 def model_turbo_sigmas(model) -> torch.Tensor:

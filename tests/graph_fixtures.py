@@ -11,11 +11,11 @@ import torch
 
 from qi21.demo import tiny_checkpoints as tiny
 from qi21.model.conditioning import Conditioning
-from qi21.model.sampling.cache_store import DEFAULT_STORE
 from qi21.model.transformer.dit import QwenImage21DiT
 from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.model.vae import QwenImage21VAE
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
+from qi21.nodes.placement import KEPT_CACHES
 
 #: The tiny set's single files (the released names), by component.
 SINGLE = {"model": tiny.DIT_FILE, "turbo": tiny.TURBO_DIT_FILE, "text_encoder": tiny.TEXT_ENCODER_FILE,
@@ -55,14 +55,14 @@ def synthetic_conditioning(prepared=(), text_runs=None, seed=0) -> Conditioning:
 def default_store_budget(budget_bytes: int):
     """The samplers' kept-cache store, emptied and given `budget_bytes` for a while; emptied and given its budget
     back afterwards."""
-    saved = DEFAULT_STORE.budget_bytes
-    DEFAULT_STORE.clear()
-    DEFAULT_STORE.budget_bytes = budget_bytes
+    saved = KEPT_CACHES.budget_bytes
+    KEPT_CACHES.clear()
+    KEPT_CACHES.budget_bytes = budget_bytes
     try:
-        yield DEFAULT_STORE
+        yield KEPT_CACHES
     finally:
-        DEFAULT_STORE.budget_bytes = saved
-        DEFAULT_STORE.clear()
+        KEPT_CACHES.budget_bytes = saved
+        KEPT_CACHES.clear()
 
 
 def live_models() -> int:

@@ -4,7 +4,7 @@ pipeline around them.
 The model keeps the real structure at toy size: 3 decoder layers of width 32 (4 query / 2 KV heads of 16), a
 3-block vision tower of width 128 with 16 heads, patch 16, merge 2 (so one VLM token is still 32x32 pixels) and
 three DeepStack mergers. The values no shape reveals (rope theta, eps, M-RoPE split, DeepStack layers, vision
-heads) follow the rules `text_encoder_loading` applies to a single file, so a single file of this model loads to
+heads) follow the rules `loaders/text_encoder.py` applies to a single file, so a single file of this model loads to
 the same config. Every weight is random, norm scales included, so a mis-mapped tensor cannot hide behind an
 identity init.
 

@@ -24,13 +24,13 @@ import graph_fixtures as gf
 from qi21.model.loaders.safetensors_io import CheckpointError
 from qi21.model.references import prepare_reference
 from qi21.model.sampling import loop as sampling
-from qi21.model.sampling.cache_store import DEFAULT_STORE
 from qi21.model.transformer.dit import QwenImage21DiT
 from qi21.model.vae import QwenImage21VAE
-from qi21.nodes import bridge, samplers
+from qi21.nodes import bridge, placement, samplers
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
+from qi21.nodes.placement import KEPT_CACHES
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 
 BROKEN_REPO = "Qwen-Image-2.1-Broken"
@@ -84,9 +84,9 @@ def loaded(models_root):
 
 @pytest.fixture(autouse=True)
 def _empty_store():
-    DEFAULT_STORE.clear()
+    KEPT_CACHES.clear()
     yield
-    DEFAULT_STORE.clear()
+    KEPT_CACHES.clear()
 
 
 # -- loaders ------------------------------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def _forbid(*args, **kwargs):
 def test_a_wrong_file_is_refused_by_name_before_any_weight_is_read(models_root, monkeypatch, kind, node, name, says):
     assert name in bridge.model_choices(kind) and node.validate_inputs(name, weight_dtype="fp32") is True
     # Headers decide: no tensor is read (safe_open), nothing is unpickled (torch.load, pickle).
-    for target in ("safetensors.safe_open", "qi21.model.loaders.text_encoder.safe_open", "torch.load",
+    for target in ("safetensors.safe_open", "torch.load",
                    "pickle.load", "pickle.loads", "pickle.Unpickler"):
         monkeypatch.setattr(target, _forbid)
     built = []  # not even an empty (meta) model may be built before the file is refused
@@ -169,7 +169,6 @@ def test_a_load_failing_halfway_frees_the_half_built_model_while_the_error_is_re
     """ComfyUI holds the exception while it reports it; the half-filled model must not live that long."""
     failing_halfway = gf.safe_open_failing_at(5, OSError, "disk read error")
     monkeypatch.setattr("safetensors.safe_open", failing_halfway)
-    monkeypatch.setattr("qi21.model.loaders.text_encoder.safe_open", failing_halfway)
     models = gf.live_models()
     with pytest.raises(OSError, match="disk read error") as error:
         node.execute(name, "fp32")
@@ -196,7 +195,7 @@ def image(width, height, channels=3, seed=0, batch=1):
 @pytest.fixture
 def vae_untouched(loaded, monkeypatch):
     """Fails the test if the VAE is moved or runs: the refusal must come first."""
-    monkeypatch.setattr(bridge, "on_device", _forbid)
+    monkeypatch.setattr(placement, "on_device", _forbid)
     monkeypatch.setattr(loaded["vae"], "encode", _forbid)
     return loaded["vae"]
 
@@ -211,7 +210,7 @@ def test_an_empty_reference_is_refused_before_the_vae_runs(vae_untouched, shape)
 
 def test_an_eleventh_reference_is_refused_before_the_vae_runs(loaded, monkeypatch):
     ten = QI21Reference.execute(loaded["vae"], image(256, 256), 256)[0] * 10
-    monkeypatch.setattr(bridge, "on_device", _forbid)
+    monkeypatch.setattr(placement, "on_device", _forbid)
     with pytest.raises(ValueError, match=r"11 references are chained; Qwen-Image 2.1 takes at most 10 .*Remove one"):
         QI21Reference.execute(loaded["vae"], image(256, 256), 256, references=ten)
 
@@ -349,8 +348,8 @@ SAMPLER_ERRORS = [
 def test_sampler_settings_are_refused_before_the_model_moves(loaded, positive, monkeypatch, node, change, says):
     """Linked values and scripts reach `execute` without ComfyUI's validation, so it checks again, first."""
     model = loaded["model" if node is QI21Sampler else "turbo"]
-    for moves_the_model in ("on_device", "load_managed"):
-        monkeypatch.setattr(bridge, moves_the_model, _forbid, raising=False)
+    for owner, moves_the_model in ((placement, "on_device"), (placement, "place"), (bridge, "load_managed")):
+        monkeypatch.setattr(owner, moves_the_model, _forbid)
     monkeypatch.setattr(samplers, "initial_noise", _forbid)
     kwargs = dict(BASE_DEFAULTS if node is QI21Sampler else TURBO_DEFAULTS, **change)
     with pytest.raises(ValueError, match=says):
@@ -400,7 +399,7 @@ def test_nan_from_the_dit_stops_at_the_step_it_happens_with_the_cache_freed(load
             QI21TurboSampler.execute(loaded["turbo"], positive, **TURBO_DEFAULTS, keep_cache=True)
     finally:
         handle.remove()
-    assert calls["n"] == 3 and gf.filled_caches() == [] and len(DEFAULT_STORE) == 0
+    assert calls["n"] == 3 and gf.filled_caches() == [] and len(KEPT_CACHES) == 0
 
 
 def test_nan_weights_stop_at_step_1_not_as_a_black_image(loaded, positive):

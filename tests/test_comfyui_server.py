@@ -430,7 +430,7 @@ def test_widgets_linked_from_primitives_run(comfyui_server):
     """ComfyUI validates a prompt with None for every linked input: `steps` from a PrimitiveInt and `cfg` from a
     PrimitiveFloat must pass validation and run. (A file-name combo cannot be fed from a PrimitiveString through
     the API, ComfyUI refuses the STRING -> COMBO link itself; the loaders' execute-time check is tested without a
-    server in tests/test_reliability_inputs.py.)"""
+    server in tests/test_linked_and_unbounded_inputs.py.)"""
     prompt = _base_prompt()
     (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] == "QI21Sampler"]
     prompt["901"] = {"class_type": "PrimitiveInt", "inputs": {"value": 2}}

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import graph_fixtures as gf
-from qi21.model.sampling.cache_store import DEFAULT_STORE
 from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.nodes import bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode
+from qi21.nodes.placement import KEPT_CACHES
 from qi21.nodes.samplers import QI21TurboSampler
 
 SEED, SIZE, STEPS = 7, 256, 8
@@ -35,9 +35,9 @@ def graph(models_root):
     image = torch.rand(1, 256, 288, 3, generator=torch.Generator().manual_seed(0))
     references = QI21Reference.execute(models["vae"], image, 0)[0]
     models["positive"] = QI21TextEncode.execute(models["text_encoder"], "<image1> as a watercolour", references)[0]
-    DEFAULT_STORE.clear()
+    KEPT_CACHES.clear()
     yield models
-    DEFAULT_STORE.clear()
+    KEPT_CACHES.clear()
 
 
 def sample(graph, keep=False):
@@ -49,7 +49,7 @@ def sample(graph, keep=False):
 def expected(graph):
     """The uninterrupted run (also warms every per-conditioning memo, so later byte counts compare like for like)."""
     latent, report = sample(graph)
-    assert report["cache"] == "miss" and len(DEFAULT_STORE) == 0
+    assert report["cache"] == "miss" and len(KEPT_CACHES) == 0
     return latent["samples"], QI21VAEDecode.execute(graph["vae"], latent).args
 
 
@@ -121,7 +121,7 @@ def test_a_run_that_ends_early_leaves_nothing_behind_and_the_next_run_is_unchang
         sample(graph, keep=keep)
     # While ComfyUI still holds the exception (it reports it), the cache's payload is already gone.
     assert prefills.count == (0 if how != "cancel" and at == 1 else 1)  # failed in the prefill, or after it
-    assert not any(cache.filled for cache in prefills.caches) and len(DEFAULT_STORE) == 0
+    assert not any(cache.filled for cache in prefills.caches) and len(KEPT_CACHES) == 0
     if how != "cancel":
         assert calls["n"] == at
     del error
@@ -131,18 +131,18 @@ def test_a_run_that_ends_early_leaves_nothing_behind_and_the_next_run_is_unchang
     monkeypatch.undo()
     latent, report = sample(graph, keep=keep)
     assert report["cache"] == "miss" and torch.equal(latent["samples"], expected[0])
-    DEFAULT_STORE.clear()
+    KEPT_CACHES.clear()
 
 
 def test_a_failing_run_that_reused_a_kept_cache_drops_it_and_the_next_run_is_unchanged(graph, expected, monkeypatch):
     first, report = sample(graph, keep=True)
-    assert report["cache"] == "miss" and len(DEFAULT_STORE) == 1 and torch.equal(first["samples"], expected[0])
+    assert report["cache"] == "miss" and len(KEPT_CACHES) == 1 and torch.equal(first["samples"], expected[0])
     _, before = gf.leftovers()
     fail_in_forward(monkeypatch, graph["turbo"], 3, SimulatedOutOfMemory)
     with pytest.raises(SimulatedOutOfMemory):
         sample(graph, keep=True)  # a hit: it took the entry out of the store
     filled, after = gf.leftovers()
-    assert filled == [] and len(DEFAULT_STORE) == 0  # an entry a failed run held is freed, not put back
+    assert filled == [] and len(KEPT_CACHES) == 0  # an entry a failed run held is freed, not put back
     kept_bytes = report["cache_bytes"]
     assert after <= before - kept_bytes
 
@@ -151,7 +151,7 @@ def test_a_failing_run_that_reused_a_kept_cache_drops_it_and_the_next_run_is_unc
     assert report["cache"] == "miss" and torch.equal(again["samples"], expected[0])
     hit, report = sample(graph, keep=True)
     assert report["cache"] == "hit" and torch.equal(hit["samples"], expected[0])
-    DEFAULT_STORE.clear()
+    KEPT_CACHES.clear()
 
 
 @pytest.mark.parametrize("how", [SimulatedOutOfMemory, KeyboardInterrupt], ids=lambda h: h.__name__)

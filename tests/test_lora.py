@@ -386,7 +386,7 @@ def branch_bytes(*models) -> int:
 
 def test_a_lora_adds_no_second_copy_of_the_dit(lora_root):
     model = QI21ModelLoader.execute(gf.SINGLE["model"], "fp32")[0]
-    dit_bytes = bridge.module_bytes(model)
+    dit_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     cond = gf.synthetic_conditioning()
     run_base(model, cond, keep_cache=False)  # what a run keeps alive anyway (the layout's RoPE tables)
     _, before = gf.leftovers()
@@ -408,7 +408,7 @@ def test_a_lora_adds_no_second_copy_of_the_dit(lora_root):
 def test_unloading_releases_the_branches_device_copies(lora_root):
     """When ComfyUI unloads a LoRA model, the sampler's unload hook frees the branches' stacked copies (they would
     otherwise stay where the model ran while its weights are offloaded); the next run rebuilds them, same result."""
-    from qi21.nodes.samplers import _unloaded
+    from qi21.nodes.placement import dit_unloaded
 
     model = QI21LoraLoader.execute(QI21ModelLoader.execute(gf.SINGLE["model"], "fp32")[0], tiny.SPEED_LORA_FILE,
                                    1.0)[0]
@@ -416,7 +416,7 @@ def test_unloading_releases_the_branches_device_copies(lora_root):
     first = run_base(model, cond, keep_cache=False)
     branches = [b for linear in model.modules() for b in getattr(linear, "adapters", ())]
     assert branches and any(branch._plans for branch in branches)
-    _unloaded(model)
+    dit_unloaded(model)
     assert all(not branch._plans for branch in branches)
     again = run_base(model, cond, keep_cache=False)
     assert torch.equal(first[0], again[0])

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import graph_fixtures as gf
-from qi21.model.sampling.cache_store import DEFAULT_STORE
 from qi21.nodes import NODES, bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader, QI21VAELoader
+from qi21.nodes.placement import KEPT_CACHES
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 
 
@@ -123,7 +123,7 @@ def test_interrupt_mid_sampling_frees_the_cache(loaded, monkeypatch):
     with pytest.raises(InterruptedError):
         run_graph(loaded, keep_cache=True)
     assert steps == [1, 2, 3, 4][: len(steps)] and len(steps) <= 4  # stops within one step
-    assert gf.filled_caches() == [] and len(DEFAULT_STORE) == 0
+    assert gf.filled_caches() == [] and len(KEPT_CACHES) == 0
     monkeypatch.undo()
     run_graph(loaded)  # the next run works
 

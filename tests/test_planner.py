@@ -20,11 +20,11 @@ from qi21.model.memory.planner import (
     spread,
 )
 from qi21.model.memory.weights import dit_weights, synthetic_dit_weights
-from qi21.model.sampling.cache_store import DEFAULT_STORE
 from qi21.model.transformer.dit import DiTConfig
 from qi21.nodes import bridge, placement
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader
+from qi21.nodes.placement import KEPT_CACHES
 from qi21.nodes.samplers import QI21TurboSampler
 
 FULL = DiTConfig()
@@ -175,7 +175,8 @@ def test_a_tight_budget_streams_and_the_latents_are_bit_identical(monkeypatch):
     model = tiny_pair(seed=5)[1]  # 3 blocks: streaming all of them saves one block of device memory
     expected = QI21TurboSampler.execute(model, conditioning(), 0, 128, 96, 1)
     assert expected.ui["qi21_report"][0]["plan"]["weights"] == "resident"
-    monkeypatch.setattr(bridge, "memory_budget", lambda device, **kw: _leanest_budget(model, conditioning(), 128, 96))
+    monkeypatch.setattr(placement, "memory_budget",
+                        lambda device, **kw: _leanest_budget(model, conditioning(), 128, 96))
     got = QI21TurboSampler.execute(model, conditioning(), 0, 128, 96, 1)
     report = got.ui["qi21_report"][0]
     assert (report["plan"]["weights"], report["plan"]["cache"], report["cache_device"]) == ("streamed 0/3", "host",
@@ -185,7 +186,7 @@ def test_a_tight_budget_streams_and_the_latents_are_bit_identical(monkeypatch):
 
 def test_the_loader_plan_option_reaches_the_sampler(models_root):
     streamed = QI21ModelLoader.execute(gf.SINGLE["turbo"], "fp32", "auto", "stream")[0]
-    assert streamed.placement == "stream"
+    assert streamed.plan_choice == "stream"
     out = QI21TurboSampler.execute(streamed, gf.synthetic_conditioning(), 0, 64, 64, 1)
     assert out.ui["qi21_report"][0]["plan"]["weights"] == "streamed 0/2"
     resident = QI21ModelLoader.execute(gf.SINGLE["turbo"], "fp32")[0]
@@ -202,7 +203,8 @@ def test_a_run_nothing_fits_is_refused_before_any_weight_moves(models, monkeypat
     def refuse(*args, **kwargs):
         raise AssertionError("a weight moved: the run was not refused first")
 
-    monkeypatch.setattr(bridge, "memory_budget", lambda device, **kw: Budget(DEVICE_OVERHEAD, 1 << 40, where="cuda:0"))
+    monkeypatch.setattr(placement, "memory_budget",
+                        lambda device, **kw: Budget(DEVICE_OVERHEAD, 1 << 40, where="cuda:0"))
     monkeypatch.setattr(bridge, "load_managed", refuse)
     with pytest.raises(PlanError, match=r"needs at least .* but only 0\.2 GiB is free on cuda:0\. Lower batch_size"):
         QI21TurboSampler.execute(turbo, gf.synthetic_conditioning(), 0, 64, 64, 1)
@@ -211,8 +213,8 @@ def test_a_run_nothing_fits_is_refused_before_any_weight_moves(models, monkeypat
 def test_the_sampler_sizes_the_kept_cache_store(models):
     with gf.default_store_budget(None):
         QI21TurboSampler.execute(models["turbo"], gf.synthetic_conditioning(), 0, 64, 64, 1, keep_cache=True)
-        assert DEFAULT_STORE.free_bytes is not None and DEFAULT_STORE.limit_bytes == DEFAULT_STORE.free_bytes
-        assert len(DEFAULT_STORE) == 1
+        assert KEPT_CACHES.free_bytes is not None and KEPT_CACHES.limit_bytes == KEPT_CACHES.free_bytes
+        assert len(KEPT_CACHES) == 1
 
 
 def test_decode_auto_is_one_pass_when_it_fits_and_tiled_under_a_tiny_budget(models, monkeypatch):
@@ -233,7 +235,8 @@ def test_decode_auto_is_one_pass_when_it_fits_and_tiled_under_a_tiny_budget(mode
     shape = VAEShape.of(vae)
     tight = shape.weight_bytes + decode_transient(shape, 1, (4, 160), True)
     assert tight < shape.weight_bytes + decode_transient(shape, 1, (4, 160), False)
-    monkeypatch.setattr(bridge, "memory_budget", lambda device, **kw: Budget(tight, where="cpu", unified=True))
+    monkeypatch.setattr(placement, "memory_budget",
+                        lambda device, **kw: Budget(tight, where="cpu", unified=True))
     tiles = QI21VAEDecode.execute(vae, {"samples": latents})[0]
     assert seen[-1][0] is True
     assert torch.equal(tiles, decoded(True))
@@ -249,7 +252,8 @@ def test_big_decodes_that_fit_run_in_one_pass(models, monkeypatch):
     shape = VAEShape.of(models["vae"])
     between = shape.weight_bytes + decode_transient(shape, 1, (100, 100), True) + 2**20
     assert between < shape.weight_bytes + decode_transient(shape, 1, (100, 100), False)
-    monkeypatch.setattr(bridge, "memory_budget", lambda device, **kw: Budget(between, where="cpu", unified=True))
+    monkeypatch.setattr(placement, "memory_budget",
+                        lambda device, **kw: Budget(between, where="cpu", unified=True))
     QI21VAEDecode.execute(models["vae"], {"samples": torch.zeros(1, 64, 100, 100)})
     QI21VAEDecode.execute(models["vae"], {"samples": torch.zeros(1, 64, 100, 100)}, "off")
     assert calls == [False, True, False]
@@ -268,7 +272,8 @@ def test_the_text_encoder_node_streams_under_a_tight_budget_and_encodes_the_same
     transient = encode_transient(EncoderDims.of(encoder.model), tokens, patches, 4)
     tight = weights.device_bytes(range(len(layers))) + transient + DEVICE_OVERHEAD
     assert tight < weights.total + transient + DEVICE_OVERHEAD
-    monkeypatch.setattr(bridge, "memory_budget", lambda device, **kw: Budget(tight, 1 << 40, where="cpu (simulated)"))
+    monkeypatch.setattr(placement, "memory_budget",
+                        lambda device, **kw: Budget(tight, 1 << 40, where="cpu (simulated)"))
     copies = []
     real = placement.LayerStreamer.__exit__
 
@@ -314,7 +319,7 @@ def test_the_bridge_budget_on_a_cpu_counts_what_the_model_already_holds(models, 
     monkeypatch.setattr(bridge, "memory_limit", lambda device: 3 * GIB)
     turbo = models["turbo"]
     held = sum(p.numel() * p.element_size() for p in turbo.parameters())
-    budget = bridge.memory_budget(torch.device("cpu"), modules=[turbo], tensors=[torch.zeros(256)])
+    budget = placement.memory_budget(torch.device("cpu"), modules=[turbo], tensors=[torch.zeros(256)])
     assert budget.unified and budget.held == held + 1024 and budget.device == 3 * GIB + held + 1024
 
 

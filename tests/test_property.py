@@ -17,7 +17,7 @@ import graph_fixtures as gf
 from qi21.model.latents import sampling_size, target_size
 from qi21.model.pipeline import MAX_REFERENCES, check_room_for_reference
 from qi21.model.references import MAX_ASPECT, MAX_VLM_PIXELS, MIN_VLM_PIXELS, prepare_reference, reference_size
-from qi21.model.sampling.cache_store import DEFAULT_STORE
+from qi21.nodes.placement import KEPT_CACHES
 from qi21.nodes.samplers import MAX_SIZE, MIN_SIZE, QI21Sampler, QI21TurboSampler
 
 pytestmark = pytest.mark.slow  # hypothesis properties: many examples each
@@ -68,7 +68,7 @@ def test_a_reference_is_prepared_on_the_32_grid_or_refused_with_a_working_resolu
 @pytest.fixture(scope="module")
 def models(models_root):
     yield gf.load("model", "turbo")
-    DEFAULT_STORE.clear()
+    KEPT_CACHES.clear()
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import graph_fixtures as gf
-from qi21.model.sampling.cache_store import DEFAULT_STORE
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode
+from qi21.nodes.placement import KEPT_CACHES
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 
 RUNS, WARM_UP = 50, 10
@@ -52,7 +52,7 @@ def graph(models_root):
 @pytest.fixture
 def small_store(graph):
     """A budget that holds the reference prompt's cache and two text caches: cold prompts evict each other."""
-    DEFAULT_STORE.clear()
+    KEPT_CACHES.clear()
     edit = run(graph, 0, keep=True)["cache_bytes"]
     hot = run(graph, 1, keep=True)["cache_bytes"]
     with gf.default_store_budget(edit + 2 * hot) as store:

@@ -3,7 +3,7 @@
 // Pure functions only (no DOM, no ComfyUI), so Node can unit-test them (tests/test_web_extension.py).
 // ComfyUI also loads this file as an extension because it sits in WEB_DIRECTORY; it has no side effects.
 //
-// Numbers (the DiT's config in docs/checkpoints.md, model/references.py, model/sampling.py):
+// Numbers (the DiT's config in docs/checkpoints.md, model/references.py, model/sampling/loop.py):
 // - a reference of W x H pixels is resized once to area ~ resolution^2, aspect kept, each side rounded to a
 //   multiple of 32 with Python's round (ties to even); resolution 0 keeps its own size floored to x32;
 // - each resized reference becomes (H/16) * (W/16) latent tokens in the prefix;

@@ -3,8 +3,8 @@
 // Pure functions only (no DOM, no ComfyUI), so Node can unit-test them (tests/test_web_extension.py).
 // ComfyUI also loads this file as an extension because it sits in WEB_DIRECTORY; it has no side effects.
 //
-// The report is the `qi21_report` UI entry every sampler returns (nodes/samplers.py, model/sampling.py): a list
-// with one dict per run, keys `prefix_tokens`, `target_tokens`, `batch`, `steps`, `cache` ("off", "miss",
+// The report is the `qi21_report` UI entry every sampler returns (nodes/samplers.py, model/sampling/loop.py):
+// a list with one dict per run, keys `prefix_tokens`, `target_tokens`, `batch`, `steps`, `cache` ("off", "miss",
 // "partial" or "hit"), `cache_bytes`, `cache_device`, `prefill_seconds`, `step_seconds` (mean cached step),
 // `prefix_rows_reused` / `prefix_rows_computed` (rows taken from a kept cache or shared by the run's prompts, and
 // rows the prefill computed), `prefix_key` (content hash of the rows through the last reference) and, when there

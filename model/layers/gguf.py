@@ -8,7 +8,7 @@ as the `gguf` package's reference dequantizer reads them (`gguf.quants.<TYPE>.de
 here performs the same fp32 operations in the same order, so the results are equal bit for bit
 (tests/test_gguf.py checks each type against that reference).
 
-This module needs only torch: the `gguf` package is used to read the file (gguf_loading.py), not to run it.
+This module needs only torch: the `gguf` package is used to read the file (loaders/gguf.py), not to run it.
 """
 
 from dataclasses import dataclass

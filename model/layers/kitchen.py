@@ -1,7 +1,7 @@
 """The layers of ComfyUI's per-layer quantized checkpoints: `QuantLinear` (a `linear.StoredLinear`, so LoRA adapters
 and the DiT's row-range calls work unchanged) and `QuantEmbedding`, each file tensor one segment in its stored
 dtype with its own scales, run through comfy-kitchen's kernels (imported lazily, on first use). What the files hold
-and how they are checked before any weight is read: `quantized.py`.
+and how they are checked before any weight is read: `loaders/kitchen.py`.
 """
 
 from dataclasses import dataclass

@@ -1,9 +1,10 @@
 """The DiT's linear layer and its extension points, shared by every weight format.
 
-`Linear` is a bias-free linear whose blocks ask for row ranges of fused weights (`rows(x, start, end)`); other
-weight formats plug in by overriding `weight_rows` (dequantize, then the plain GEMM) or `project` (their own
-GEMM), and LoRA adds low-rank `adapters`. `StoredLinear` is the base of the formats that keep their weight as
-stored row segments (GGUF, comfy-kitchen quantized files).
+`Linear` is a bias-free linear whose blocks ask for row ranges of fused weights (`rows(x, start, end)`); two
+extension points keep other weight formats and LoRA out of the blocks: a format that stores its weight otherwise
+overrides `weight_rows` (dequantize, then the plain GEMM) or `project` (its own quantized GEMM), and LoRA adds
+`adapters`, terms added to the output (the frozen weight is never changed or copied). `StoredLinear` is the base
+of the formats that keep their weight as stored row segments (GGUF, comfy-kitchen quantized files).
 """
 
 import torch
@@ -12,14 +13,9 @@ import torch.nn.functional as F
 
 
 class Linear(nn.Module):
-    """Bias-free linear whose weight may be stored in a narrower dtype (fp8) than the compute dtype.
-
-    Two extension points keep other weight formats and LoRA out of the blocks: a subclass that stores its weight
-    otherwise overrides `weight_rows` (dequantize, then the plain GEMM) or `project` (its own quantized GEMM);
-    `adapters` are added to the output, each called as
-    `adapter(x, start, end)` -> the `(..., end - start)` term for those output rows, or None when it does not
-    touch them (low-rank LoRA branches: the frozen weight is never changed or copied).
-    """
+    """Bias-free linear whose weight may be stored in a narrower dtype (fp8) than the compute dtype (the
+    extension points: module docstring). Each of `adapters` is called as `adapter(x, start, end)` -> the
+    `(..., end - start)` term for those output rows, or None when it does not touch them."""
 
     def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
         super().__init__()

@@ -1,11 +1,11 @@
 """The checkpoint toolkit the DiT, VAE and text-encoder loaders share.
 
-`safetensors_io.py` reads and checks one file's header (the format). This module works at the level a loader
-thinks in: where a component's weights are (a single file, or a diffusers folder with its optional shard index
-and `config.json`), reading any JSON file of a checkpoint, the precision to load in, which stored dtypes a
-tensor may have, and reading tensors one at a time into memory the model owns. Each `*_loading.py` keeps only
-what is its own: how its files are recognised, its key map, and how its config follows from shapes and
-`config.json`. The file layouts themselves are described in docs/checkpoints.md.
+`safetensors_io.py` reads and checks one file's header (the format). This module works at the level a loader thinks
+in: where a component's weights are (a single file, or a diffusers folder with its optional shard index and
+`config.json`), reading any JSON file of a checkpoint, the precision to load in, which stored dtypes a tensor may
+have, and reading tensors one at a time into memory the model owns. Each loader (`dit.py`, `vae.py`,
+`text_encoder.py`) keeps only what is its own: how its files are recognised, its key map, and how its config follows
+from shapes and `config.json`. The file layouts themselves are described in docs/checkpoints.md.
 """
 
 import re

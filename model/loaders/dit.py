@@ -5,7 +5,7 @@ Two layouts (docs/checkpoints.md):
   `model.diffusion_model.`; each block's MLP is one fused `img_mlp.gate_up` [gate; up].
 - diffusers folder (`Qwen-Image-2.1/` with `model_index.json`, or its `transformer/` folder): sharded
   safetensors with an index, split `img_mlp.gate_layer` / `img_mlp.proj`, `transformer/config.json`.
-A GGUF file (ComfyUI names, quantized) is read by `gguf_loading.py` with this module's key plan, config
+A GGUF file (ComfyUI names, quantized) is read by `gguf.py` with the shared key plan (`dit_keys.py`), config
 inference and Base/Turbo rule.
 
 Everything is decided from headers first (what the file is, its config, every tensor's shape and dtype),
@@ -127,7 +127,7 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     """Load a Qwen-Image 2.1 DiT file or diffusers folder; `model.source` says what was loaded.
 
     `weight_dtype`: "default" (the file's float type), "bf16", "fp16", "fp32", "fp8_e4m3fn" (block weights
-    stored in fp8, computed in bf16) or a torch dtype. A GGUF file goes to `gguf_loading.load_gguf_dit`.
+    stored in fp8, computed in bf16) or a torch dtype. A GGUF file goes to `gguf.load_gguf_dit`.
     """
     if is_gguf(path):
         from .gguf import load_gguf_dit  # imports the gguf package, needed only for GGUF files

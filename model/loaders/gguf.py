@@ -2,7 +2,7 @@
 
 The file's header and tensor table are read with the `gguf` package's `GGUFReader` (imported only here, and
 only when a GGUF file is loaded), which memory-maps the file. What the file is follows from its table alone,
-with the safetensors loader's own rules (`dit_loading`): the key plan (ComfyUI names, fused `img_mlp.gate_up`,
+with the safetensors loader's own rules (`dit_keys.py`): the key plan (ComfyUI names, fused `img_mlp.gate_up`,
 with or without `model.diffusion_model.`), the config inferred from shapes, Base vs Turbo from the file name.
 A file of another architecture, a tensor type we cannot dequantize or a truncated file is refused before any
 weight is allocated.

@@ -5,7 +5,7 @@ refused before a single weight is allocated. The header is checked as completely
 checks it (offsets, sizes, coverage of the data), because that reader would otherwise fail later with a bare
 `SafetensorError` that names no file; here every problem names the file, what is wrong and what to do.
 Pickle-based checkpoints (`.ckpt`, `.pt`, `.bin`) are recognised by their first bytes and never unpickled; GGUF
-files are named as such (the DiT loader reads them through `gguf_loading.py`, before this module is reached).
+files are named as such (the DiT loader reads them through `gguf.py`, before this module is reached).
 """
 
 import json

@@ -33,10 +33,6 @@ import math
 from pathlib import Path
 
 import torch
-
-# Not used here (reading goes through `checkpoint.WeightReader`, which opens files with safetensors' own
-# `safe_open`): kept importable because callers patch `text_encoder_loading.safe_open`.
-from safetensors import safe_open  # noqa: F401
 from torch import nn
 from transformers import Qwen2Tokenizer, Qwen3VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

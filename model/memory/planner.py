@@ -37,13 +37,14 @@ from .weights import LayeredWeights, synthetic_dit_weights
 MIB = 2**20
 #: Added to every device phase off the CPU: cuBLAS/cuDNN workspaces, the caching allocator's rounding.
 DEVICE_OVERHEAD = 256 * MIB
-PLACEMENTS = ("auto", "resident", "stream")
+#: What the loader's `plan` input may ask for: the fastest plan that fits, every block resident, every block streamed.
+PLAN_CHOICES = ("auto", "resident", "stream")
 #: ComfyUI's VRAM modes as the bridge reports them: normal, low (--lowvram), no (--novram), high (--highvram).
 VRAM_MODES = ("normal", "low", "no", "high")
 
 
 class PlanError(MemoryError):
-    """No placement of this run fits the memory it has; raised before any weight moves."""
+    """No plan for this run fits the memory it has; raised before any weight moves."""
 
 
 def gib(nbytes: float) -> str:
@@ -203,7 +204,7 @@ def spread(count: int, total: int) -> tuple[int, ...]:
 
 def sampling_phases(weights: LayeredWeights, config: DiTConfig, run: RunShape, itemsize: int,
                     streamed=(), cache: str = "device", unified: bool = False) -> dict[str, int]:
-    """Predicted device peak of each sampling phase with these placements (bytes)."""
+    """Predicted device peak of each sampling phase with these choices (bytes)."""
     prefix = list(run.prefix_tokens)
     cached = cache != "off"
     full = estimate_run(config, prefix, run.target_tokens, run.batch, run.cfg, itemsize, cached)
@@ -227,17 +228,17 @@ def _copied_per_step(weights: LayeredWeights, streamed, cache: str, cache_bytes:
 
 
 def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: Budget, itemsize: int,
-             placement: str = "auto", vae: VAEShape | None = None) -> Plan:
+             choice: str = "auto", vae: VAEShape | None = None) -> Plan:
     """The fastest plan of a sampling run that fits `budget`; `PlanError` (naming the least memory that would
     run it and what to change) when none does.
 
-    `placement`: "auto"; "resident" (all blocks on the device, or an error); "stream" (every block streamed).
+    `choice`: "auto"; "resident" (all blocks on the device, or an error); "stream" (every block streamed).
     Under ComfyUI's --lowvram ("low") auto always streams at least three blocks (fewer would sit in the two slots
     and save nothing); under --novram ("no") it streams all and
     keeps the cache in host memory. `vae` (default: the released one in the DiT's dtype) predicts the decode.
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}.")
+    if choice not in PLAN_CHOICES:
+        raise ValueError(f"the plan choice must be one of {PLAN_CHOICES}, got {choice!r}.")
     n = len(weights.layers)
     vae = vae or VAEShape.released(itemsize)
     cache_bytes = estimate_run(config, list(run.prefix_tokens), run.target_tokens, run.batch, run.cfg,
@@ -250,9 +251,9 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
         caches = ("host",)
     else:
         caches = ("device", "host")
-    if placement == "resident":
+    if choice == "resident":
         counts = [n]
-    elif placement == "stream" or budget.mode == "no":
+    elif choice == "stream" or budget.mode == "no":
         counts = [0]
     elif budget.unified:
         counts = [n]
@@ -274,7 +275,7 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
                 best = (key, streamed, cache, phases, host)
             break
     if best is None:
-        raise PlanError(_no_plan_message(weights, config, run, budget, itemsize, placement, vae))
+        raise PlanError(_no_plan_message(weights, config, run, budget, itemsize, choice, vae))
     (copied, _, _), streamed, cache, phases, host = best
     decode = plan_decode(vae, run.batch, run.grid, budget, must_fit=False)
     phases = {**phases, "decode": decode.peak}
@@ -288,21 +289,21 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
 
 
 def least_memory(weights: LayeredWeights, config: DiTConfig, run: RunShape, itemsize: int, unified: bool = False,
-                 placement: str = "auto") -> int:
+                 choice: str = "auto") -> int:
     """The smallest device budget any plan of this run fits: every block streamed and the cache on the host (on a
-    CPU, or with `placement="resident"`, the weights stay whole)."""
-    streamed = () if unified or placement == "resident" else tuple(range(len(weights.layers)))
+    CPU, or with `choice="resident"`, the weights stay whole)."""
+    streamed = () if unified or choice == "resident" else tuple(range(len(weights.layers)))
     cache = "off" if not run.prefix_cache else ("device" if unified else "host")
     return max(sampling_phases(weights, config, run, itemsize, streamed, cache, unified).values())
 
 
-def _no_plan_message(weights, config, run, budget, itemsize, placement, vae) -> str:
-    need = least_memory(weights, config, run, itemsize, budget.unified, placement)
+def _no_plan_message(weights, config, run, budget, itemsize, choice, vae) -> str:
+    need = least_memory(weights, config, run, itemsize, budget.unified, choice)
     est = estimate_run(config, list(run.prefix_tokens), run.target_tokens, run.batch, run.cfg, itemsize,
                        run.prefix_cache)
     if budget.unified:
         lean = "weights resident"
-    elif placement == "resident":
+    elif choice == "resident":
         lean = "weights resident (plan = resident)"
     else:
         lean = f"weights streamed 0/{len(weights.layers)}, prefix cache in host memory"
@@ -312,7 +313,7 @@ def _no_plan_message(weights, config, run, budget, itemsize, placement, vae) -> 
                      f"memory and {gib(budget.host)} is available.")
     advice = []
     for what, other_run, other_weights in _alternatives(run, weights, config):
-        other = least_memory(other_weights, config, other_run, itemsize, budget.unified, placement)
+        other = least_memory(other_weights, config, other_run, itemsize, budget.unified, choice)
         if other < 0.95 * need:  # only what makes a real difference
             advice.append(f"{what}: {gib(other)}")
     held = f"; {gib(budget.held)} of it is already there" if budget.held >= 0.05 * GIB else ""
@@ -374,14 +375,14 @@ def plan_decode(vae: VAEShape, batch: int, grid: tuple[int, int], budget: Budget
     )
 
 
-def plan_layers(weights: LayeredWeights, transient: int, budget: Budget, placement: str = "auto",
+def plan_layers(weights: LayeredWeights, transient: int, budget: Budget, choice: str = "auto",
                 what: str = "the text encoder") -> LayerPlan:
     """A model run once per call (the text encoder): all layers resident when they fit beside `transient`, else
     as many as fit (the rest streamed through two slots); `PlanError` when even full streaming does not fit."""
     n = len(weights.layers)
     overhead = 0 if budget.unified else DEVICE_OVERHEAD
-    counts = [n] if budget.unified or placement == "resident" else (
-        [0] if placement == "stream" or budget.mode == "no" else range(n, -1, -1))
+    counts = [n] if budget.unified or choice == "resident" else (
+        [0] if choice == "stream" or budget.mode == "no" else range(n, -1, -1))
     for resident in counts:
         streamed = spread(n - resident, n)
         peak = weights.device_bytes(streamed) + transient + overhead

@@ -13,8 +13,9 @@ fails or is interrupted they are dropped with it, never put back half-used; if i
 its own cache unless that cache now holds everything they offered.
 
 The bound is the smaller of a fixed ceiling (`budget_bytes`; None: none) and what the memory planner says is free
-beside the current run (`free_bytes`, set by the sampler nodes before each run, model/memory/planner.py); with neither,
-`DEFAULT_BUDGET_BYTES`. The samplers' store has no fixed ceiling: on a large GPU it keeps more.
+beside the current run (`free_bytes`, set by the sampler nodes before each run from the memory plan); with neither,
+`DEFAULT_BUDGET_BYTES`. The samplers' store (`KEPT_CACHES` in nodes/placement.py) has no fixed ceiling: on a large
+GPU it keeps more.
 """
 
 import itertools
@@ -187,5 +188,3 @@ def _evict_from(store_ref, model_id: int) -> None:
     if store is not None:
         store.evict_model(model_id)
 
-
-DEFAULT_STORE = PrefixCacheStore(budget_bytes=None)  # bounded by the planner's free_bytes (the sampler nodes)

@@ -16,13 +16,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from einops import rearrange
 
 from ..conditioning import Conditioning
 from ..latents import LATENT_CHANNELS, latent_shape
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
 from ..transformer.prefix_cache import PrefixKVCache
 from ..transformer.prefix_runs import prefix_runs
-from .cache_store import DEFAULT_STORE, PrefixCacheStore
+from .cache_store import PrefixCacheStore
 from .img2img import finish_latents, start_latents
 from .schedule import euler_step, literal_sigmas, transformer_timestep
 
@@ -70,11 +71,11 @@ def initial_noise(seed: int, batch: int, height: int, width: int) -> torch.Tenso
 
 
 def _pack(latents: torch.Tensor) -> torch.Tensor:
-    return latents.flatten(2).transpose(1, 2)  # (B, 64, h, w) -> (B, h*w, 64), row-major tokens
+    return rearrange(latents, "b c h w -> b (h w) c")  # row-major tokens
 
 
 def _unpack(tokens: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *shape)
+    return rearrange(tokens, "b (h w) c -> b c h w", h=shape[0], w=shape[1])
 
 
 def _match(tensor: torch.Tensor, batch: int, grid: tuple[int, int], name: str, channels: int = LATENT_CHANNELS):
@@ -207,8 +208,8 @@ def sample(
     `noise` `(B, 64, H/16, W/16)` overrides `seed`/`batch_size`. `callback(StepInfo)` runs after every step;
     an exception it raises (ComfyUI's interrupt) ends the run with the cache freed. `check_interrupt()` runs
     after every block of every step, so a cancel lands within one block even when a step takes seconds.
-    `keep_cache` keeps the prefix cache in `store` (default: the process-wide store) for the next run with this
-    conditioning.
+    `keep_cache` keeps the prefix cache in `store` (a `PrefixCacheStore`; the nodes own theirs) for the next run
+    with this conditioning.
 
     img2img and inpainting (`img2img.py` has the semantics): `latent_image` `(1 or B, 64, h, w)` normalised is
     the start, noised to the first sigma (`add_noise`) or taken as already noised; `noise_mask` `(1 or B, 1, h, w)`
@@ -241,9 +242,10 @@ def sample(
     if prefix_cache and not cached:
         notes.append("prefix cache off: this model has causal_condition=false")
 
-    store = store if store is not None else DEFAULT_STORE
+    if keep_cache and store is None:
+        raise ValueError("keep_cache needs a store to keep the cache in (store=PrefixCacheStore(...)).")
     runs = [prefix_runs(p.layout, p.text, p.references) for p in prefixes]
-    model_key = store.key(model, dtype=dtype)
+    model_key = PrefixCacheStore.key(model, dtype=dtype)
     init = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
     mask = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
     if mask is not None and init is None:

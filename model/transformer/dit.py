@@ -12,9 +12,10 @@ What we do differently is where the work goes:
   B seeds computes (and caches) its prefix once, and CFG's two prompts run in one forward without padding;
 - the last block and the output head skip the prefix rows (only their keys and values are needed there);
 - q and k are normed and rotated in one pass; RoPE tables and layouts are built once per run;
-- [q; k; v] and [gate; up] are single weights run as two GEMMs each, so every output is a dense buffer: on
-  an H200 the gapped halves of one fused output cost more in slow strided kernels than the fusion saved
-  (measured with benchmarks/bench_gpu.py, see the README).
+- [q; k; v] and [gate; up] are single weights run as two GEMMs each ([q; k] and v; gate and up), so every
+  output is a dense buffer and every later elementwise kernel and the K/V concatenation run on contiguous
+  memory: on an H200 the gapped views of one fused output cost more in slow strided kernels than the fusion
+  saved (measured with benchmarks/bench_gpu.py, see docs/measurements.md).
 """
 
 import math
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
 from ..layers.linear import Linear
 from .attention import (
@@ -218,20 +220,17 @@ class Block(nn.Module):
         self.down = Linear(hidden, width, device=device, dtype=dtype)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        # [gate; up] stays one weight, used as two GEMMs: dense outputs keep SiLU and the product on fast
-        # contiguous kernels (halves of one output are gapped views); in place, to skip two temporaries.
+        # two GEMMs over one [gate; up] weight (module docstring); SiLU and the product in place: no temporaries
         hidden = self.gate_up.weight.shape[0] // 2
         up = self.gate_up.rows(x, hidden, 2 * hidden)
         return self.down(F.silu(self.gate_up.rows(x, 0, hidden), inplace=True).mul_(up))
 
     def qkv_heads(self, h: torch.Tensor, rope: torch.Tensor):
         """Normed, rotated q and k and plain v, each `(N, heads, head_dim)` and contiguous."""
-        width, heads, head_dim = h.shape[-1], self.num_heads, self.head_dim
-        # One weight [q; k; v], two GEMMs: [q; k] and v land in separate dense buffers, so every later
-        # elementwise kernel and the K/V concatenation run on contiguous memory (a single [q; k; v] output
-        # leaves q, k and v as gapped views, which GPUs copy through slow strided kernels).
-        qk = self.qkv.rows(h, 0, 2 * width).unflatten(-1, (2, heads, head_dim)).transpose(0, 1)  # (2, N, H, D)
-        v = self.qkv.rows(h, 2 * width, 3 * width).unflatten(-1, (heads, head_dim))  # (N, H, D)
+        width, heads = h.shape[-1], self.num_heads
+        # two GEMMs over one [q; k; v] weight (module docstring): [q; k] and v in dense buffers
+        qk = rearrange(self.qkv.rows(h, 0, 2 * width), "n (two h d) -> two n h d", two=2, h=heads, d=self.head_dim)
+        v = rearrange(self.qkv.rows(h, 2 * width, 3 * width), "n (h d) -> n h d", h=heads, d=self.head_dim)
         qk = qk.to(torch.float32, memory_format=torch.contiguous_format)  # q and k normed and rotated together
         qk = head_rms_norm(qk, torch.stack([self.norm_q, self.norm_k])[:, None, None], self.eps).to(v.dtype)
         q, k = apply_rope(qk, rope[None, :, None]).unbind(0)  # (N, H, D) each
@@ -314,7 +313,7 @@ def _readers(sample_prefix: list[int], num_prefixes: int) -> tuple:
 
 
 class QwenImage21DiT(nn.Module):
-    """The Qwen-Image 2.1 DiT. Parameter names are ours; `dit_loading` maps both file layouts onto them.
+    """The Qwen-Image 2.1 DiT. Parameter names are ours; `loaders/dit_keys.py` maps both file layouts onto them.
 
     `forward` = `prepare` (embeddings, modulation rows, the `Rows` of this call) + each block + `final_layer`.
     """

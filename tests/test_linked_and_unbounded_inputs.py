@@ -1,4 +1,4 @@
-"""Inputs that arrive through links, and text-encoder work without a bound (issue "Reliability II").
+"""Inputs that arrive through links, and text-encoder work without a bound.
 
 - ComfyUI validates a prompt before it runs, when a linked input has no value yet: `validate_inputs` receives None
   for it (`execution.py`, `get_input_data` marks it missing). A validator that compares None (`None < 1`) or looks
@@ -19,7 +19,7 @@ import graph_fixtures as gf
 from qi21.model.pipeline import encode_prompt
 from qi21.model.sampling.loop import initial_noise
 from qi21.model.text_encoder import MAX_ROPE_POSITIONS, rope_positions
-from qi21.nodes import NODES, bridge
+from qi21.nodes import NODES, bridge, placement
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
@@ -143,7 +143,7 @@ def test_a_prompt_beyond_the_position_limit_is_refused_before_the_encoder_moves(
     def moved(*args, **kwargs):
         raise AssertionError("the text encoder was moved before the prompt was checked")
 
-    monkeypatch.setattr(bridge, "on_device", moved)
+    monkeypatch.setattr(placement, "on_device", moved)
     hooks = [layer.register_forward_pre_hook(lambda *a: pytest.fail("a decoder layer ran"))
              for layer in encoder.model.language_model.layers]
     try:
