@@ -3,7 +3,6 @@ prompt of the same run (CFG, a batch of distinct prompts), equals a fresh run an
 models), and holds the shared rows once."""
 
 import numpy as np
-import pytest
 import torch
 
 from dit_fixtures import reference_velocity
