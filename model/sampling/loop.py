@@ -260,7 +260,6 @@ def sample(
     if cached:
         cache, taken, from_store = _plan_cache(model, prefixes, runs, store, model_key, keep_cache, new_cache, device)
     hit = cached and cache.filled  # filled before the first step: every row came from the store
-    computed_rows = 0 if not cached else cache.planned_rows
     after_block = None if check_interrupt is None else (lambda index: check_interrupt())
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas), [], False
     try:
@@ -289,6 +288,8 @@ def sample(
         watch.finish()
         succeeded = True
     finally:
+        # rows the prefill computed (all of them for an unplanned cache, none on a hit)
+        computed_rows = 0 if hit or cache is None else sum(end - start for _, start, end in cache.computed)
         cache_bytes = cache.nbytes if cache is not None else 0
         cache_device = str(cache.device) if cache is not None and cache.filled else None
         if cache is not None:
