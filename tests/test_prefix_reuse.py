@@ -18,8 +18,7 @@ from qi21.model.transformer.prefix_runs import prefix_runs
 WIDTH = HEIGHT = 128  # an 8 x 8 latent target
 GRID = (HEIGHT // 16, WIDTH // 16)
 STEPS = 4
-EXACT = 1e-5  # against our own fresh run and diffusers' forward
-LOOP_ORACLE = 1e-4  # whole loops against diffusers' (the tolerance of tests/test_sampling.py)
+EXACT = 1e-5  # against our own fresh run and diffusers' (forward and whole loops)
 REF_A, REF_B = ((8, 8), 11), ((4, 8), 12)  # (latent shape, seed): the two references of an edit
 
 
@@ -81,7 +80,7 @@ def assert_reuse(dit_pair, first, second, reused, cache="partial"):
     assert fresh.report["cache"] == "miss" and fresh.report["prefix_rows_reused"] == 0
     torch.testing.assert_close(got.latents, fresh.latents, rtol=0, atol=EXACT)
     torch.testing.assert_close(got.latents, oracle(reference, second, initial_noise(5, 1, HEIGHT, WIDTH)), rtol=0,
-                               atol=LOOP_ORACLE)
+                               atol=EXACT)
     store.clear()
     return got
 
@@ -132,7 +131,7 @@ def test_cfg_prompts_hold_the_shared_references_once(dit_pair):
     assert report["cache_bytes"] == (p_rows + n_rows - shared) * per_row  # before: (p_rows + n_rows) * per_row
     torch.testing.assert_close(got.latents, off.latents, rtol=0, atol=EXACT)
     torch.testing.assert_close(got.latents, oracle(reference, positive, noise, negative=negative, cfg=4.0), rtol=0,
-                               atol=LOOP_ORACLE)
+                               atol=EXACT)
 
 
 def prefixes_of(conds):

@@ -170,9 +170,11 @@ def _plan_cache(model, prefixes, runs, store, model_key, keep_cache, new_cache, 
         if whole is not None:  # a kept cache of exactly these prefixes, of a kind that shares no rows
             return whole, taken, True
     lens = [p.layout.prefix_len for p in prefixes]
-    from_store = any(base is not None for base in bases)
+    from_store = False
     if cache.shares_rows:
-        cache.plan(lens, share_leading_runs(runs, bases))
+        bases = share_leading_runs(runs, bases)
+        from_store = any(base is not None and base[0] == "parts" for base in bases)
+        cache.plan(lens, bases)
         if cache.planned_rows == 0:  # every row is held already: no prefill at all
             config = model.config
             cache.allocate(lens, config.num_layers, config.num_heads, config.head_dim, model.compute_dtype, device)
