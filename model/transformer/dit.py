@@ -155,7 +155,8 @@ class Rows:
         readers: per prefix, the samples attending to it (a slice when they are consecutive, else a list).
         prefix_mod_rows: per chunk, its row of the modulation table (the t = 0 row under causal_condition).
         rope: `(rows, head_dim / 2)` complex rotations in buffer order.
-        prefix_attention: `(c, q, k, v, kv) -> out` block-causal attention of chunk c; None in cached steps.
+        prefix_attention: `(c, q, k, v, kv=None) -> out` block-causal attention of chunk c (a whole prefix needs
+            no `kv`); None in cached steps.
         chunk_groups: the prefix of each chunk.
         whole: per prefix, the chunk holding all its rows (its keys are read from the buffer), else None (read
             from the cache).
@@ -515,7 +516,7 @@ class QwenImage21DiT(nn.Module):
                     layout = prefixes[g].layout
                     masks[g] = layout.memo(key, lambda layout=layout: flex_block_mask(layout, device))
 
-        def attend(c, q, k, v, kv):
+        def attend(c, q, k, v, kv=None):  # kv: only a chunk after a held run reads it
             g, first, _ = chunks[c]
             segments = prefixes[g].layout.segments
             if first:
