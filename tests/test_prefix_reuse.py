@@ -3,6 +3,7 @@ prompt of the same run (CFG, a batch of distinct prompts), equals a fresh run an
 models), and holds the shared rows once."""
 
 import numpy as np
+import pytest
 import torch
 
 from dit_fixtures import reference_velocity
@@ -237,3 +238,25 @@ def test_a_shared_tensor_is_counted_once_and_freed_when_nothing_holds_it(dit_pai
     assert any(shared is t for cache in store.caches() for t in cache.kv)  # the second entry still reads it
     store.clear()
     assert len(store) == 0 and store.nbytes == 0
+
+
+def test_an_interrupted_partial_run_drops_what_it_read_and_leaves_nothing_behind(dit_pair):
+    import graph_fixtures as gf
+
+    _, ours = dit_pair
+    store = PrefixCacheStore(budget_bytes=2**30)
+    run(ours, edit(("t", 7, 3)), store)
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(info):
+        raise Stop
+
+    with pytest.raises(Stop):
+        run(ours, edit(("t", 9, 4)), store, callback=interrupt)
+    assert len(store) == 0 and gf.filled_caches() == []  # the kept entry it read is dropped, not put back
+    again = run(ours, edit(("t", 9, 4)), store)
+    assert again.report["cache"] == "miss"
+    torch.testing.assert_close(again.latents, run(ours, edit(("t", 9, 4))).latents, rtol=0, atol=EXACT)
+    store.clear()
