@@ -476,3 +476,20 @@ def test_the_prompt_cache_stays_in_its_budget_and_an_interrupted_encode_keeps_no
     finally:
         cache.budget_bytes = 2**31
         cache.clear()
+
+
+def test_the_lead_key_names_the_references_and_the_text_before_them(encoder):
+    from qi21.model.pipeline import Reference, encode_prompt
+
+    def reference(seed):
+        prepared = prepare_reference(comfy_image(random_image(256, 256, 3, seed=seed)), resolution=288)
+        h, w = prepared.latent_grid
+        return Reference(prepared, torch.zeros(h * w, 64), (h, w))
+
+    one, two = reference(1), reference(2)
+    key = encode_prompt(encoder, "<image1> at night", [one]).lead_key
+    assert key == encode_prompt(encoder, "<image1> under snow, much later", [one]).lead_key  # other words
+    assert key != encode_prompt(encoder, "<image1> at night", [two]).lead_key  # another reference
+    assert key != encode_prompt(encoder, "<image1> at night", [one, two]).lead_key
+    assert encode_prompt(encoder, "a cat", []).lead_key is None
+    encoder.prompt_cache.clear()

@@ -321,7 +321,8 @@ def sample(
         "step_seconds": round(sum(step_times) / len(step_times), 4) if step_times else None,
         "prefix_rows_reused": 0 if not cached else prefix_rows - computed_rows,
         "prefix_rows_computed": prefix_rows if not cached else computed_rows,
-        "prefix_key": runs[0].leading_key(),
+        # what the user gave (token ids, pixels) when the text-encode step said it, else the DiT's inputs
+        "prefix_key": positive.lead_key or runs[0].leading_key(),
     }
     loras = getattr(model, "loras", ())  # a LoRA copy (model/loaders/lora.py) records what it applied
     if loras:
