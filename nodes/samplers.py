@@ -42,7 +42,8 @@ PREFIX_CACHE_TOOLTIP = ("on: the first step computes the prompt and references o
                         "cache out.")
 KEEP_CACHE_TOOLTIP = ("Keep the prefix cache after the run (bounded store, least-recently-used eviction) so the next "
                       "run with the same model, prompt and references (another seed, size or batch) skips the first "
-                      "step's prefill. Costs the cache's memory between runs; off frees it at the end.")
+                      "step's prefill, and a run with the same references but other words computes only the words. "
+                      "Costs the cache's memory between runs; off frees it at the end.")
 
 
 def _size_inputs():

@@ -18,6 +18,8 @@ class HostPrefixKVCache(PrefixKVCache):
     host), and `to()` keeps it there: the store keeps it in host memory between runs.
     """
 
+    shares_rows = False  # whole prefixes stream in per layer: no rows read from another prefix's tensor
+
     def __init__(self, device):
         super().__init__()
         self.compute_device = torch.device(device)
@@ -28,11 +30,14 @@ class HostPrefixKVCache(PrefixKVCache):
 
     def allocate(self, prefix_lens, layers: int, heads: int, head_dim: int, dtype, device) -> None:
         self.free()
+        self._plan = None  # never planned (shares_rows is False): every prefix is computed whole
         self.compute_device = torch.device(device)
         self.prefix_lens = tuple(int(p) for p in prefix_lens)
         pin = self.compute_device.type == "cuda"
         self.kv = [torch.empty(layers, 2, p, heads, head_dim, dtype=dtype, device="cpu", pin_memory=pin)
                    for p in self.prefix_lens]
+        self.parts = tuple(((t, 0, p),) for t, p in zip(self.kv, self.prefix_lens))
+        self.computed = tuple((g, 0, p) for g, p in enumerate(self.prefix_lens))
 
     def layer_kv(self, layer: int) -> "HostLayerKV":
         return HostLayerKV(self, layer)
@@ -94,6 +99,10 @@ class HostLayerKV(LayerKV):
     def read(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self.cache._read(self.layer)[group]
         return entry[0], entry[1]
+
+    def read_parts(self, group: int, rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        key, value = self.read(group)
+        return [(key, value) if rows is None else (key[:rows], value[:rows])]
 
 
 

@@ -22,6 +22,7 @@ from ..conditioning import Conditioning
 from ..latents import LATENT_CHANNELS, latent_shape
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
 from ..transformer.prefix_cache import PrefixKVCache
+from ..transformer.prefix_runs import prefix_runs
 from .cache_store import PrefixCacheStore
 from .denoiser import FlowDenoiser, run_sampler
 from .img2img import finish_latents, start_latents
@@ -175,6 +176,43 @@ class _FiniteWatch:
         )
 
 
+def share_leading_runs(runs, bases) -> list:
+    """`bases` (what each prefix may start from, for `PrefixKVCache.plan`) with the leading runs the prefixes of
+    one run share among themselves: prefix g starts from an earlier prefix h of the batch when h shares more of
+    its leading rows than any kept cache offers (CFG's two prompts after the same references, say)."""
+    bases = list(bases)
+    for g, wanted in enumerate(runs):
+        best = bases[g][2] if bases[g] is not None else 0
+        for h in range(g):
+            rows = wanted.common_rows(runs[h])
+            if rows > best:
+                best, bases[g] = rows, ("group", h, rows)
+    return bases
+
+
+def _plan_cache(model, prefixes, runs, store, model_key, keep_cache, new_cache, device):
+    """The run's prefix cache, planned: `(cache, taken, from_store)`. Its prefixes start from the longest leading
+    runs kept in `store` (with `keep_cache`; `taken` are the entries read) or shared with another prefix of the
+    run; filled already when nothing is left to compute."""
+    cache = new_cache() if new_cache is not None else PrefixKVCache()  # new_cache: the memory plan's kind
+    bases, taken = [None] * len(runs), []
+    if keep_cache:
+        taken, bases, whole = store.reuse(model_key, runs, device, cache.shares_rows)
+        if whole is not None:  # a kept cache of exactly these prefixes, of a kind that shares no rows
+            return whole, taken, True
+    lens = [p.layout.prefix_len for p in prefixes]
+    from_store = False
+    if cache.shares_rows:
+        bases = share_leading_runs(runs, bases)
+        from_store = any(base is not None and base[0] == "parts" for base in bases)
+        cache.plan(lens, bases)
+        if cache.planned_rows == 0:  # every row is held already: no prefill at all
+            config = model.config
+            cache.allocate(lens, config.num_layers, config.num_heads, config.head_dim, model.compute_dtype, device)
+    cache.runs = tuple(runs)
+    return cache, taken, from_store
+
+
 def sample(
     model: QwenImage21DiT,
     positive: Conditioning,
@@ -244,14 +282,8 @@ def sample(
 
     if keep_cache and store is None:
         raise ValueError("keep_cache needs a store to keep the cache in (store=PrefixCacheStore(...)).")
-    key = store.key(model, *(c.fingerprint() for c in conditionings), dtype=dtype) if cached and keep_cache else None
-    cache = store.take(key) if key is not None else None
-    hit = cache is not None
-    if hit:
-        cache.to(device)
-    elif cached:
-        cache = new_cache() if new_cache is not None else PrefixKVCache()  # new_cache: the memory plan's kind
-
+    runs = [prefix_runs(p.layout, p.text, p.references) for p in prefixes]
+    model_key = PrefixCacheStore.key(model, dtype=dtype)
     init = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
     mask = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
     if mask is not None and init is None:
@@ -261,6 +293,11 @@ def sample(
     x = _pack(x0).to(device=device, dtype=dtype)
     if mask is not None:
         mask, init, kept_noise = (_pack(t).to(device) for t in (mask, init, kept_noise))
+    # planned last before the loop: a kept entry it takes out of the store is handled by the `finally` below
+    cache, taken, from_store = None, [], False
+    if cached:
+        cache, taken, from_store = _plan_cache(model, prefixes, runs, store, model_key, keep_cache, new_cache, device)
+    hit = cached and cache.filled  # filled before the first step: every row came from the store
     after_block = None if check_interrupt is None else (lambda index: check_interrupt())
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
     try:
@@ -301,28 +338,39 @@ def sample(
         watch.finish()
         succeeded = True
     finally:
+        # rows the prefill computed (all of them for an unplanned cache, none on a hit)
+        computed_rows = 0 if hit or cache is None else sum(end - start for _, start, end in cache.computed)
         cache_bytes = cache.nbytes if cache is not None else 0
         cache_device = str(cache.device) if cache is not None and cache.filled else None
         if cache is not None:
-            if not (succeeded and key is not None and store.put(key, cache, model)):
+            kept = succeeded and keep_cache and store.give_back(model_key, taken, cache, model)
+            if not kept:
                 cache.free()
-            if succeeded and key is not None and not cache.filled:
+                if not succeeded:  # entries a failed run read are dropped, never put back half-used
+                    for entry in taken:
+                        entry.free()
+            if succeeded and keep_cache and not kept:
                 notes.append("cache not kept: larger than the store's budget")
-        del cache
+        del cache, taken
 
     times = clock.seconds()  # the run's one host sync on a GPU
     prefill_seconds = next((t for t, mode in zip(times, modes) if mode == "prefill"), None)
     step_times = [t for t, mode in zip(times, modes) if mode != "prefill"]
+    prefix_rows = sum(p.layout.prefix_len for p in prefixes)
     report = {
-        "prefix_tokens": sum(p.layout.prefix_len for p in prefixes),
+        "prefix_tokens": prefix_rows,
         "target_tokens": grid[0] * grid[1],
         "batch": batch,
         "steps": steps,
-        "cache": "off" if not cached else ("hit" if hit else "miss"),
+        "cache": "off" if not cached else ("hit" if hit else "partial" if from_store else "miss"),
         "cache_bytes": cache_bytes,
         "cache_device": cache_device,
         "prefill_seconds": None if prefill_seconds is None else round(prefill_seconds, 4),
         "step_seconds": round(sum(step_times) / len(step_times), 4) if step_times else None,
+        "prefix_rows_reused": 0 if not cached else prefix_rows - computed_rows,
+        "prefix_rows_computed": prefix_rows if not cached else computed_rows,
+        # what the user gave (token ids, pixels) when the text-encode step said it, else the DiT's inputs
+        "prefix_key": positive.lead_key or runs[0].leading_key(),
     }
     loras = getattr(model, "loras", ())  # a LoRA copy (model/loaders/lora.py) records what it applied
     if loras:
