@@ -81,7 +81,7 @@ CONTRACT = {
                           ("latent_image", "LATENT"), ("denoise", "FLOAT"), ("add_noise", "BOOLEAN")], ["LATENT"]),
     "QI21VAEDecode": ([("vae", "QI21_VAE"), ("samples", "LATENT")], [("tiled", "COMBO")], ["IMAGE", "MASK", "IMAGE"]),
     "QI21Sigmas": ([("schedule", "COMBO"), ("steps", "INT"), ("width", "INT"), ("height", "INT")],
-                   [("denoise", "FLOAT"), ("shift_terminal", "FLOAT")], ["SIGMAS"]),
+                   [("denoise", "FLOAT"), ("scheduler", "COMBO"), ("shift_terminal", "FLOAT")], ["SIGMAS"]),
     "QI21VAEEncode": ([("vae", "QI21_VAE"), ("image", "IMAGE")], [("mask", "MASK"), ("tiled", "COMBO")], ["LATENT"]),
     "QI21LoraLoader": ([("model", "QI21_MODEL"), ("lora_name", "COMBO"), ("strength", "FLOAT")], [], ["QI21_MODEL"]),
 }
