@@ -6,9 +6,11 @@ block's to_q, to_k, to_v, to_out.0, img_mlp.gate_layer, img_mlp.proj and img_mlp
 applied with model/loaders/lora.py as low-rank branches next to the frozen weights (no merge, no weight copy). Prefill
 and cached step are timed interleaved (plain, LoRA, plain, ...); per rank it prints the ratio of the median
 wall-clock times, of the median process CPU times (with `--threads 1` the CPU time is the work done, whatever
-else the machine runs) and of the FLOPs.
+else the machine runs) and of the FLOPs. `--full-patches` adds what ComfyUI-extracted Turbo LoRAs hold besides
+the pairs: `.diff` patches of every norm scale and of img_in, proj_out and the timestep embedder's linear_1 (dense
+delta branches and patched norm copies, model/loaders/lora_patches.py).
 
-    python benchmarks/bench_lora.py [--layers 2] [--ranks 16 64] [--repeats 7] [--threads N]
+    python benchmarks/bench_lora.py [--layers 2] [--ranks 16 64] [--repeats 7] [--threads N] [--full-patches]
 """
 
 import argparse
@@ -40,7 +42,7 @@ def build_model(layers: int) -> QwenImage21DiT:
     return model.eval()
 
 
-def write_lora(path: Path, config: DiTConfig, rank: int) -> Path:
+def write_lora(path: Path, config: DiTConfig, rank: int, full_patches: bool = False) -> Path:
     width, hidden = config.width, config.mlp_hidden
     shapes = dict(zip(MODULES, [(width, width)] * 4 + [(width, hidden)] * 2 + [(hidden, width)]))
     tensors = {}
@@ -50,6 +52,14 @@ def write_lora(path: Path, config: DiTConfig, rank: int) -> Path:
             tensors[stem + ".lora_down.weight"] = torch.randn(rank, fan_in) / fan_in**0.5
             tensors[stem + ".lora_up.weight"] = 0.01 * torch.randn(fan_out, rank)
             tensors[stem + ".alpha"] = torch.tensor(float(rank))
+    if full_patches:
+        shapes = {"img_in": (width, config.in_channels), "proj_out": (config.out_channels, width),
+                  "time_text_embed.timestep_embedder.linear_1": (width, 256),
+                  "txt_in.text_norm": (config.context_in_dim,),
+                  **{f"transformer_blocks.{i}.attn.norm_{x}": (config.head_dim,) for i in range(config.num_layers)
+                     for x in "qk"}}
+        for module, shape in shapes.items():
+            tensors[f"diffusion_model.{module}.diff"] = 0.01 * torch.randn(shape)
     save_file(tensors, str(path))
     return path
 
@@ -60,6 +70,7 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--full-patches", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,7 +84,8 @@ def main():
           "(prefill, cached)")
     with tempfile.TemporaryDirectory() as folder:
         for rank in args.ranks:
-            with_lora = apply_lora(plain, write_lora(Path(folder) / f"r{rank}.safetensors", plain.config, rank), 1.0)
+            path = write_lora(Path(folder) / f"r{rank}.safetensors", plain.config, rank, args.full_patches)
+            with_lora = apply_lora(plain, path, 1.0)
             calls = {}
             with torch.inference_mode():
                 for name, model in (("plain", plain), ("lora", with_lora)):

@@ -10,7 +10,10 @@ end without the 30 GB of real weights:
                                                             / model.visual.* / lm_head.weight
     text_encoders/qwen3vl_8b_bf16_tokenizer/                vocab.json + merges.txt + tokenizer_config.json
     vae/qwen_image_2.1_vae_bf16.safetensors                 Wan 2.2 names, causal convs 5-D [O, I, 1, kh, kw]
-    loras/qwen_image_2.1_speed_lora.safetensors             a rank-4 LoRA on every block (kohya keys + alpha)
+    loras/p_q_image_2.1_8_steps_v0.1_comfyui_bf16.safetensors   a rank-4 LoRA on every block (ComfyUI keys + alpha)
+    loras/qwen_image_2.1_turbo_lora_avg_rank_178_bf16.safetensors  Turbo - Base extracted as ComfyUI's LoRA
+                                                            extraction writes it (rank 8, .diff for the norms and
+                                                            for img_in, proj_out and the timestep linear_1)
     model_patches/qwen_image_2.1_fun_controlnet_union_bf16.safetensors
                                                             a 1-block Fun ControlNet (Comfy-Org's fused layout)
     diffusers/Qwen-Image-2.1/                               model_index.json, scheduler/, transformer/ (2 shards
@@ -69,7 +72,10 @@ TINY_VAE = QwenImage21VAEConfig(base_dim=4, decoder_base_dim=6, z_dim=64, dim_mu
 DIT_FILE, TURBO_DIT_FILE = "qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_turbo_bf16.safetensors"
 TEXT_ENCODER_FILE = "qwen3vl_8b_bf16.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
-SPEED_LORA_FILE = "qwen_image_2.1_speed_lora.safetensors"  # the name the LoRA example workflow loads
+SPEED_LORA_FILE = "p_q_image_2.1_8_steps_v0.1_comfyui_bf16.safetensors"  # the speed-LoRA workflow's file
+TURBO_LORA_FILE = "qwen_image_2.1_turbo_lora_avg_rank_178_bf16.safetensors"  # the Turbo-LoRA workflow's file
+#: Layers the tiny Turbo LoRA stores in full (`.diff`), as one community Turbo extract does.
+TURBO_LORA_FULL = ("img_in", "proj_out", "time_text_embed.timestep_embedder.linear_1")
 CONTROLNET_FILE = "qwen_image_2.1_fun_controlnet_union_bf16.safetensors"  # Comfy-Org's name for the control net
 BASE_REPO, TURBO_REPO = "Qwen-Image-2.1", "Qwen-Image-2.1-Turbo"
 COMFY_DIT_PREFIX = "model.diffusion_model."  # seen in the wild; the Turbo file uses it to cover that layout
@@ -250,17 +256,17 @@ def dit_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0) -> dict[str, tor
 
 
 def lora_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0, rank: int = 4) -> dict[str, torch.Tensor]:
-    """A random LoRA on every block's attention and MLP in kohya's format (`lora_unet_` + the diffusers module
-    name with underscores, `lora_down`/`lora_up`, `alpha` = rank), small enough to leave the images sane."""
+    """A random LoRA on every block's attention and MLP in ComfyUI's format (`diffusion_model.` + the module name,
+    `lora_down`/`lora_up`, `alpha` = rank), small enough to leave the images sane."""
     generator = torch.Generator().manual_seed(seed)
     width, hidden = config.width, config.mlp_hidden
-    modules = (("attn_to_q", width, width), ("attn_to_k", width, width), ("attn_to_v", width, width),
-               ("attn_to_out_0", width, width), ("img_mlp_gate_layer", width, hidden),
-               ("img_mlp_proj", width, hidden), ("img_mlp_out", hidden, width))
+    modules = (("attn.to_q", width, width), ("attn.to_k", width, width), ("attn.to_v", width, width),
+               ("attn.to_out.0", width, width), ("img_mlp.gate_layer", width, hidden),
+               ("img_mlp.proj", width, hidden), ("img_mlp.out", hidden, width))
     out = {}
     for i in range(config.num_layers):
         for module, fan_in, fan_out in modules:
-            stem = f"lora_unet_transformer_blocks_{i}_{module}"
+            stem = f"diffusion_model.transformer_blocks.{i}.{module}"
             out[stem + ".lora_down.weight"] = torch.randn(rank, fan_in, generator=generator) / math.sqrt(fan_in)
             out[stem + ".lora_up.weight"] = 0.1 * torch.randn(fan_out, rank, generator=generator) / math.sqrt(rank)
             out[stem + ".alpha"] = torch.tensor(float(rank))
@@ -285,6 +291,29 @@ def controlnet_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0, blocks: i
         for proj in ("after_proj",) + (("before_proj",) if i == 0 else ()):
             out[p + proj + ".weight"] = (0.3 * _random((width, width), "matrix", generator)).bfloat16().float()
             out[p + proj + ".bias"] = _random((width,), "bias", generator)
+    return out
+
+
+def extracted_lora_state_dict(base: dict[str, torch.Tensor], other: dict[str, torch.Tensor], rank: int,
+                              full=(), prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
+    """`other - base` (two state dicts with the same keys, e.g. ComfyUI's DiT layout) as ComfyUI's LoRA extraction
+    writes it ("standard" type, bias_diff on): each 2-D weight as a rank-`rank` `lora_up` (U times the singular
+    values) / `lora_down` (V^T) pair from the SVD of its difference, each 1-D weight and each module in `full` as
+    a `.diff`, each bias as a `.diff_b`; every tensor in fp16, no alpha (scale 1). Unlike ComfyUI the factors
+    are not clamped at a quantile, so the pairs are the plain truncated SVD."""
+    out = {}
+    for key, value in base.items():
+        module, _, kind = key.rpartition(".")
+        diff = other[key].float() - value.float()
+        if kind == "bias":
+            out[f"{prefix}{module}.diff_b"] = diff.half()
+        elif diff.ndim < 2 or module in full:
+            out[f"{prefix}{module}.diff"] = diff.half()
+        else:
+            u, s, vh = torch.linalg.svd(diff, full_matrices=False)
+            r = min(rank, *diff.shape)
+            out[f"{prefix}{module}.lora_up.weight"] = (u[:, :r] * s[:r]).half().contiguous()
+            out[f"{prefix}{module}.lora_down.weight"] = vh[:r].half().contiguous()
     return out
 
 
@@ -465,9 +494,8 @@ def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
     """Write the tiny random model set under `root` (a ComfyUI models folder); returns where everything is.
 
     Keys of the result: "root"; the single files "dit", "turbo_dit", "text_encoder", "tokenizer", "vae", "lora",
-    "controlnet"; the
-    diffusers repositories "diffusers_base", "diffusers_turbo". Existing files are overwritten. The same seed
-    gives the same weights.
+    "turbo_lora", "controlnet"; the diffusers repositories "diffusers_base", "diffusers_turbo". Existing files are
+    overwritten. The same seed gives the same weights.
     """
     root = Path(root)
     bf16 = torch.bfloat16
@@ -486,6 +514,9 @@ def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
                               root / "text_encoders" / TEXT_ENCODER_FILE, bf16),
         "vae": _save(comfy_vae_state_dict(vae, TINY_VAE.num_res_blocks), root / "vae" / VAE_FILE, bf16),
         "lora": _save(lora_state_dict(TINY_DIT, seed + 4), root / "loras" / SPEED_LORA_FILE, bf16),
+        "turbo_lora": _save(extracted_lora_state_dict(*({k: v.to(bf16) for k, v in comfy_dit_state_dict(sd).items()}
+                                                        for sd in (base_dit, turbo_dit)), 8, TURBO_LORA_FULL),
+                            root / "loras" / TURBO_LORA_FILE, torch.float16),  # the files' bf16 values, in fp16
         "controlnet": _save(controlnet_state_dict(TINY_DIT, seed + 5), root / "model_patches" / CONTROLNET_FILE, bf16),
     }
     tokenizer = root / "text_encoders" / (Path(TEXT_ENCODER_FILE).stem + "_tokenizer")  # found by find_tokenizer_dir

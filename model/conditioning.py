@@ -27,6 +27,9 @@ class Conditioning:
         ref_shapes: latent `(h, w)` of each reference, in prompt order.
         latent_format: the VAE statistics the references were normalised with; the sampler turns its output
             back into raw latents with the same (the released ones when there are no references).
+        lead_key: a hash of what the user gave for the prompt's leading run (the token ids up to the last
+            reference and the references' resized pixels), the same on every machine; None when unknown or
+            without references. The report's `prefix_key`.
     """
 
     text: torch.Tensor
@@ -34,6 +37,7 @@ class Conditioning:
     references: torch.Tensor | None = None
     ref_shapes: tuple[tuple[int, int], ...] = ()
     latent_format: LatentFormat = RELEASED_LATENT_FORMAT
+    lead_key: str | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):

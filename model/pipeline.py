@@ -4,6 +4,7 @@ reference image -> (VAE latents + VLM pixels) -> prompt encoding -> Conditioning
 -> VAE decode -> RGB, alpha mask and RGBA in ComfyUI's conventions (`[B, H, W, C]` floats in [0, 1]).
 """
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +77,26 @@ def encode_prompt(text_encoder: QwenImageTextEncoder, prompt: str, references=()
         references=tokens,
         ref_shapes=tuple(r.shape for r in references),
         latent_format=formats.pop() if formats else RELEASED_LATENT_FORMAT,
+        lead_key=lead_key(encoded.token_ids, text_encoder.vision_end_id, references),
     )
+
+
+def lead_key(token_ids: torch.Tensor, vision_end_id: int, references) -> str | None:
+    """SHA-256 of a prompt's leading run as the user gave it: the kept token ids up to the last `<|vision_end|>`
+    and each reference's resized RGBA pixels with their size. Tokenizer and resize are deterministic, so equal
+    inputs give equal keys on any machine. None without references."""
+    if not references:
+        return None
+    ids = token_ids.detach().cpu().to(torch.int64)
+    ends = (ids == vision_end_id).nonzero().flatten()
+    if not len(ends):
+        return None
+    hasher = hashlib.sha256(b"qi21-lead")
+    hasher.update(ids[: int(ends[-1]) + 1].numpy().tobytes())
+    for reference in references:
+        pixels = reference.prepared.pixels.detach().contiguous().cpu().float()
+        hasher.update(repr(tuple(pixels.shape)).encode() + pixels.numpy().tobytes())
+    return hasher.hexdigest()
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ Loading from files lives in `loaders/text_encoder.py`. Image preprocessing uses 
 Qwen2-VL image processor, never the torchvision "fast" one.
 """
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,9 +34,11 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 from torch import nn
+from transformers import DynamicCache
 
 from .latents import LATENT_TOKEN_PIXELS, VLM_TOKEN_PIXELS
 from .references import PreparedReference
+from .text_encoder_cache import LeadingRun, PromptCache, VisionOutput, image_key, run_key
 
 #: The system prompt of the Qwen-Image 2.1 templates (diffusers `QwenImage21Pipeline.sys_prompt`).
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
@@ -43,7 +46,8 @@ SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 SYSTEM_TURN = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
 IMAGE_PAD = "<|image_pad|>"
 #: Special tokens the templates rely on: each must be a single token of the tokenizer.
-TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", IMAGE_PAD)
+VISION_END = "<|vision_end|>"
+TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", VISION_END, IMAGE_PAD)
 PAD_TOKEN = "<|endoftext|>"  # Qwen's padding token, used when a tokenizer folder does not name one
 #: Frame positions 0..8191 and grid positions down to -1024: the RoPE range the released DiT is defined for.
 #: diffusers' `QwenImage21Rope` tabulates exactly these angles and reads a wrong row outside them, and its
@@ -121,6 +125,21 @@ def _single_token(tokenizer, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
+class _VisionBatch:
+    """Vision-tower outputs in the form transformers' `mm_encoder_outputs` takes: per-image merged tokens and, per
+    DeepStack layer, per-image features."""
+
+    def __init__(self, pooler_output, deepstack_features):
+        self.pooler_output, self.deepstack_features = tuple(pooler_output), [tuple(f) for f in deepstack_features]
+
+
+def _batch(encoded: list) -> "EncodedBatch":
+    embeds = _right_pad([e.embeds for e in encoded])
+    prompt_mask = _right_pad([torch.ones_like(e.image_slots) for e in encoded])
+    image_slots = _right_pad([e.image_slots for e in encoded])
+    return EncodedBatch(prompts=tuple(encoded), embeds=embeds, prompt_mask=prompt_mask, image_slots=image_slots)
+
+
 def _right_pad(rows: list[torch.Tensor]) -> torch.Tensor:
     length = max(row.shape[0] for row in rows)
     out = rows[0].new_zeros((len(rows), length) + tuple(rows[0].shape[1:]))
@@ -174,6 +193,11 @@ class QwenImageTextEncoder:
                     "encoder do not belong together."
                 )
         self.image_token_id = ids[IMAGE_PAD]
+        self.vision_end_id = ids[VISION_END]
+        #: vision outputs and the leading run's keys/values kept between encodings (text_encoder_cache.py);
+        #: `prompt_cache.budget_bytes = 0` turns reuse off
+        self.prompt_cache = PromptCache()
+        self.last_reused_tokens = 0  # leading tokens the last encoding took from `prompt_cache`
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _single_token(
             tokenizer, PAD_TOKEN)
         # Same derivation as diffusers: the length of the tokenized system turn (14 with the Qwen2 BPE).
@@ -340,6 +364,9 @@ class QwenImageTextEncoder:
             raise ValueError("encode_batch takes a non-empty list of prompts; use encode() for one.")
         device = self.device
         images, expected, rows = self._prepare(prompts, references)
+        self.last_reused_tokens = 0
+        if images and self.prompt_cache.budget_bytes > 0:
+            return _batch(self._encode_reusing(images, expected, rows))
         vision = self._vision_inputs(images, expected)
         length = max(len(row) for row in rows)
         input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
@@ -363,10 +390,66 @@ class QwenImageTextEncoder:
             ids = input_ids[b, keep].to(device)
             encoded.append(EncodedPrompt(embeds=hidden[b, keep].clone(), image_slots=ids == self.image_token_id,
                                          token_ids=ids))
-        embeds = _right_pad([e.embeds for e in encoded])
-        prompt_mask = _right_pad([torch.ones_like(e.image_slots) for e in encoded])
-        image_slots = _right_pad([e.image_slots for e in encoded])
-        return EncodedBatch(prompts=tuple(encoded), embeds=embeds, prompt_mask=prompt_mask, image_slots=image_slots)
+        return _batch(encoded)
+
+    def _cache_argument(self) -> str:
+        """transformers' name for a forward's key/value cache: `cache` (>= 5.2x), `past_key_values` before."""
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    def _vision_output(self, image: Image.Image, slots: int) -> tuple[str, VisionOutput]:
+        """(key, vision-tower output) of one reference, from `prompt_cache` when it was seen at this size."""
+        key = "vision:" + image_key(image, image.size)
+        kept = self.prompt_cache.get(key)
+        if kept is None:
+            vision = self._vision_inputs([image], [slots])
+            grid = vision["image_grid_thw"].to(self.device)
+            got = self.model.get_image_features(vision["pixel_values"].to(self.device), grid, return_dict=True)
+            kept = VisionOutput(got.pooler_output[0], tuple(layer[0] for layer in got.deepstack_features),
+                                tuple(vision["image_grid_thw"][0].tolist()))
+            self.prompt_cache.put(key, kept)
+        return key, kept
+
+    def _encode_reusing(self, images, expected, rows) -> list["EncodedPrompt"]:
+        """Each prompt as `encode` gives it, the leading run (up to the last `<|vision_end|>`, the same for every
+        prompt with these references) run once and kept, so only each prompt's instruction tokens run here."""
+        device = self.device
+        lead = max(i for i, token in enumerate(rows[0]) if token == self.vision_end_id) + 1
+        if any(row[:lead] != rows[0][:lead] for row in rows):
+            raise ValueError("prompts with the same references must share the template up to the last reference.")
+        vision = [self._vision_output(image, slots) for image, slots in zip(images, expected)]
+        grids = torch.tensor([output.grid for _, output in vision], dtype=torch.long)
+        key = "lead:" + run_key(rows[0][:lead], [key for key, _ in vision])
+        run = self.prompt_cache.get(key)
+        self.last_reused_tokens = lead if run is not None else 0
+        positions = []
+        for row in rows:  # M-RoPE positions of the whole prompt, sliced for the leading run and the instruction
+            ids = torch.tensor(row, dtype=torch.long)[None]
+            positions.append(self.model.get_rope_index(ids, (ids == self.image_token_id).long(), grids)[0])
+        if run is None:
+            ids = torch.tensor(rows[0][:lead], dtype=torch.long)[None].to(device)
+            depth = len(vision[0][1].deepstack)
+            outputs = _VisionBatch([o.tokens.to(device) for _, o in vision],
+                                   [[o.deepstack[j].to(device) for _, o in vision] for j in range(depth)])
+            out = self.model(input_ids=ids, position_ids=positions[0][:, :, :lead].to(device), use_cache=True,
+                             mm_encoder_outputs={"image": outputs})
+            kept = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+            run = LeadingRun(out.last_hidden_state[0], tuple((layer.keys, layer.values) for layer in kept.layers))
+            self.prompt_cache.put(key, run)
+            run = self.prompt_cache.get(key) or run  # the kept copy: the same bits every later encoding returns
+        states = run.states.to(device)
+        encoded = []
+        for row, position in zip(rows, positions):
+            past = DynamicCache(config=self.model.config.text_config)
+            for layer, (k, v) in enumerate(run.layers):
+                past.update(k.to(device), v.to(device), layer)
+            suffix = torch.tensor(row[lead:], dtype=torch.long)[None].to(device)
+            out = self.model(input_ids=suffix, position_ids=position[:, :, lead:].to(device), use_cache=True,
+                             **{self._cache_argument(): past})
+            hidden = torch.cat([states, out.last_hidden_state[0]])
+            ids = torch.tensor(row, dtype=torch.long, device=device)[self.drop_tokens :]
+            encoded.append(EncodedPrompt(embeds=hidden[self.drop_tokens :].clone(),
+                                         image_slots=ids == self.image_token_id, token_ids=ids))
+        return encoded
 
     def encode(self, prompt: str, references: Sequence = ()) -> EncodedPrompt:
         """Encode one prompt with its references: `(L, hidden)` states and the `(L,)` image-slot mask."""

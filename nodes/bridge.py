@@ -307,3 +307,30 @@ class Progress:
     def update(self, step: int, preview=None) -> None:
         if self.bar is not None:
             self.bar.update_absolute(step, self.total, ("JPEG", preview, 512) if preview is not None else None)
+
+
+# -- samplers -----------------------------------------------------------------------------------------------
+def flow_model_sampling(base_class, *args):
+    """`base_class(*args)` (model/sampling/denoiser.py's FlowModelSampling), with ComfyUI's CONST mixed in when
+    ComfyUI is there: its samplers test `isinstance(model_sampling, comfy.model_sampling.CONST)` to pick their
+    flow-matching branches (the RF forms of the ancestral samplers, the half-log-SNR of the SDE ones)."""
+    if not HAVE_COMFY:
+        return base_class(*args)
+    import comfy.model_sampling
+
+    mixed = type(f"QI21{base_class.__name__}", (base_class, comfy.model_sampling.CONST), {})
+    return mixed(*args)
+
+
+def sampler_object(name: str = "euler"):
+    """The SAMPLER that ComfyUI's KSamplerSelect gives for `name`; without ComfyUI the stand-in's Euler (the only
+    one it has), so the samplers' `sampler` path runs in tests and the demo."""
+    if HAVE_COMFY:
+        import comfy.samplers
+
+        return comfy.samplers.sampler_object(name)
+    if name != "euler":
+        raise ValueError(f"sampler {name!r} needs ComfyUI; without it only the stand-in 'euler' exists.")
+    from .comfy_standin import EulerSampler
+
+    return EulerSampler()

@@ -48,6 +48,7 @@ class io:  # noqa: N801  (mirrors `from comfy_api.latest import io`)
     Mask = _comfy_type("MASK", widget=False)
     Latent = _comfy_type("LATENT", widget=False)
     Sigmas = _comfy_type("SIGMAS", widget=False)
+    Sampler = _comfy_type("SAMPLER", widget=False)
 
     @staticmethod
     def Custom(io_type: str):  # noqa: N802
@@ -90,3 +91,34 @@ class ComfyExtension:
 
     async def get_node_list(self) -> list:
         raise NotImplementedError
+
+
+class EulerSampler:
+    """A stand-in for the SAMPLER that ComfyUI's `KSamplerSelect("euler")` returns (`comfy.samplers.KSAMPLER` over
+    k-diffusion's Euler, no churn), with the same `sample` call: noise scaled to the first sigma by the model's
+    `model_sampling`, the kept region of a `denoise_mask` re-noised before every model call and taken from the
+    latent in its result, the scaling undone at the end. Only for runs without ComfyUI (tests, the demo)."""
+
+    name = "euler"
+
+    def sample(self, model_wrap, sigmas, extra_args, callback, noise, latent_image=None, denoise_mask=None,
+               disable_pbar=False):
+        inner = model_wrap.inner_model
+        sampling = inner.model_sampling
+        x = sampling.noise_scaling(sigmas[0], noise, latent_image)
+        ones = x.new_ones([x.shape[0]])
+        for i in range(len(sigmas) - 1):
+            sigma = sigmas[i] * ones
+            model_in = x
+            if denoise_mask is not None:
+                kept = inner.scale_latent_inpaint(x=x, sigma=sigma, noise=noise, latent_image=latent_image)
+                model_in = x * denoise_mask + kept * (1.0 - denoise_mask)
+            denoised = model_wrap(model_in, sigma, model_options=extra_args.get("model_options", {}),
+                                  seed=extra_args.get("seed"))
+            if denoise_mask is not None:
+                denoised = denoised * denoise_mask + latent_image * (1.0 - denoise_mask)
+            if callback is not None:
+                callback(i, denoised, x, len(sigmas) - 1)
+            slope = (x - denoised) / sigmas[i]
+            x = x + slope * (sigmas[i + 1] - sigmas[i])
+        return sampling.inverse_noise_scaling(sigmas[-1], x)

@@ -7,7 +7,7 @@ from ..model.references import prepare_reference
 from . import bridge, placement
 from .bridge import io
 from .types import CATEGORY, VAE, Conditioning, References, TextEncoder
-from .validation import require, widget_problem
+from .validation import refuse_unknown_inputs, require, widget_problem
 
 
 class QI21Reference(io.ComfyNode):
@@ -40,7 +40,8 @@ class QI21Reference(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, vae, image, resolution, mask=None, references=None) -> io.NodeOutput:
+    def execute(cls, vae, image, resolution, mask=None, references=None, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         require(widget_problem(cls, resolution=resolution))  # ComfyUI checks it only when it is not linked
         check_room_for_reference(references)  # before any work
         if image is None or image.numel() == 0 or min(image.shape[-3:-1]) == 0:
@@ -82,7 +83,8 @@ class QI21TextEncode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, text_encoder, prompt, references=None) -> io.NodeOutput:
+    def execute(cls, text_encoder, prompt, references=None, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         if not isinstance(prompt, str):  # a linked prompt is not checked by ComfyUI
             raise ValueError(f"Qwen-Image 2.1 Text Encode needs a prompt string; got {type(prompt).__name__}.")
         # too long a prompt or reference set is refused here, before the 16 GB encoder moves to the GPU

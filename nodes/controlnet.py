@@ -33,8 +33,9 @@ class QI21ControlNetLoader(io.ComfyNode):
                                        "..._int8_convrot.safetensors (3.8 GB), in models/model_patches."),
                 io.Combo.Input("weight_dtype", options=DTYPES, default="default",
                                tooltip="default: the file's precision (bf16; fp32 on a CPU, as the other loaders). "
-                                       "The control stream runs in this dtype whatever the model's; bf16 halves "
-                                       "the memory of fp32 at the accuracy the net was trained in."),
+                                       "The weights are held in this dtype; the control stream computes in the "
+                                       "model's (its keys and values are more layers of the model's prefix "
+                                       "cache), so bf16 halves the memory of fp32 whatever the model's dtype."),
             ],
             outputs=[ControlNet.Output(display_name="control_net")],
         )

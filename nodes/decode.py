@@ -6,7 +6,7 @@ from ..model.pipeline import decode_images
 from . import placement
 from .bridge import io
 from .types import CATEGORY, VAE
-from .validation import require, widget_problem
+from .validation import refuse_unknown_inputs, require, widget_problem
 
 TILED = {"auto": None, "on": True, "off": False}
 
@@ -37,7 +37,8 @@ class QI21VAEDecode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, vae, samples, tiled="auto") -> io.NodeOutput:
+    def execute(cls, vae, samples, tiled="auto", **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         require(widget_problem(cls, tiled=tiled))  # ComfyUI checks it only when it is not linked
         latents = samples["samples"]
         if latents.ndim != 4 or latents.shape[1] != vae.config.z_dim:

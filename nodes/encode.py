@@ -5,7 +5,7 @@ from . import bridge, placement
 from .bridge import io
 from .decode import TILED
 from .types import CATEGORY, VAE
-from .validation import require, widget_problem
+from .validation import refuse_unknown_inputs, require, widget_problem
 
 
 class QI21VAEEncode(io.ComfyNode):
@@ -34,7 +34,8 @@ class QI21VAEEncode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, vae, image, mask=None, tiled="auto") -> io.NodeOutput:
+    def execute(cls, vae, image, mask=None, tiled="auto", **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         require(widget_problem(cls, tiled=tiled))  # ComfyUI checks it only when it is not linked
         with placement.on_device(vae):
             raw, note = encode_images(vae, image, mask, tiled=TILED[tiled])

@@ -18,7 +18,7 @@ from . import bridge
 from .bridge import io
 from .placement import PLAN_TOOLTIP
 from .types import CATEGORY, VAE, Model, TextEncoder
-from .validation import require, widget_problem
+from .validation import refuse_unknown_inputs, require, widget_problem
 
 
 def _choices(kind: str) -> list[str]:
@@ -109,7 +109,8 @@ class QI21ModelLoader(io.ComfyNode):
         return file_problem(cls, "diffusion_models", model_name, **kwargs)
 
     @classmethod
-    def execute(cls, model_name, weight_dtype, attention="auto", plan="auto") -> io.NodeOutput:
+    def execute(cls, model_name, weight_dtype, attention="auto", plan="auto", **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "diffusion_models", model_name, weight_dtype=weight_dtype, attention=attention,
                              plan=plan)
         weight_dtype = default_dtype(weight_dtype, bridge.compute_device())
@@ -151,7 +152,8 @@ class QI21TextEncoderLoader(io.ComfyNode):
         return file_problem(cls, "text_encoders", text_encoder_name, **kwargs)
 
     @classmethod
-    def execute(cls, text_encoder_name, weight_dtype, device="default") -> io.NodeOutput:
+    def execute(cls, text_encoder_name, weight_dtype, device="default", **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "text_encoders", text_encoder_name, weight_dtype=weight_dtype, device=device)
         runs_on = torch.device("cpu") if device == "cpu" else bridge.compute_device()
         encoder = load_or_free(load_text_encoder, path, weight_dtype=default_dtype(weight_dtype, runs_on),
@@ -187,7 +189,8 @@ class QI21VAELoader(io.ComfyNode):
         return file_problem(cls, "vae", vae_name, **kwargs)
 
     @classmethod
-    def execute(cls, vae_name, weight_dtype) -> io.NodeOutput:
+    def execute(cls, vae_name, weight_dtype, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "vae", vae_name, weight_dtype=weight_dtype)
         weight_dtype = default_dtype(weight_dtype, bridge.compute_device())
         return io.NodeOutput(load_or_free(load_vae, path, weight_dtype=weight_dtype, device=bridge.offload_device()))

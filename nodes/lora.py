@@ -10,6 +10,7 @@ from . import bridge
 from .bridge import io
 from .loaders import checked_path, file_problem, load_or_free
 from .types import CATEGORY, Model
+from .validation import refuse_unknown_inputs
 
 MAX_STRENGTH = 10.0
 
@@ -25,8 +26,10 @@ class QI21LoraLoader(io.ComfyNode):
             category=CATEGORY,
             description="Applies a Qwen-Image 2.1 LoRA (diffusers/PEFT, kohya/musubi, ComfyUI or LyCORIS LoCon keys) "
                         "to the model. The input model is not changed and no weight is copied: the LoRA runs as a "
-                        "low-rank branch next to the weights, exact on bf16, fp16, fp32 and fp8 models. Chain nodes "
-                        "to stack LoRAs; the sampler's report lists them.",
+                        "low-rank branch next to the weights, exact on bf16, fp16, fp32, fp8, quantized and GGUF "
+                        "models. Full-weight patches in the file (.diff, .set_weight, as ComfyUI's LoRA extraction "
+                        "writes them) apply as in ComfyUI. Chain nodes to stack LoRAs; the sampler's report lists "
+                        "them.",
             inputs=[
                 Model.Input("model"),
                 io.Combo.Input("lora_name", options=bridge.model_choices("loras"),
@@ -44,7 +47,8 @@ class QI21LoraLoader(io.ComfyNode):
         return file_problem(cls, "loras", lora_name, **kwargs)
 
     @classmethod
-    def execute(cls, model, lora_name, strength) -> io.NodeOutput:
+    def execute(cls, model, lora_name, strength, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "loras", lora_name, strength=strength)
         return io.NodeOutput(load_or_free(apply_lora, model, path, strength, name=lora_name))
 

@@ -8,17 +8,27 @@ from ..model.latents import (
     LATENT_CHANNELS,
     LATENT_TOKEN_PIXELS,
     latent_shape,
+    latent_tokens,
     preview_image,
     sampling_size,
     target_size,
 )
-from ..model.sampling.img2img import check_denoise, check_latent, denoise_tail, fixed_tail, latent_mask
+from ..model.layers.kitchen import gemm_summary
+from ..model.sampling.img2img import (
+    check_denoise,
+    check_latent,
+    denoise_problem,
+    denoise_tail,
+    fixed_tail,
+    latent_mask,
+)
 from ..model.sampling.loop import initial_noise, sample
-from ..model.sampling.schedule import base_sigmas, literal_sigmas, turbo_sigmas
+from ..model.sampling.schedule import base_sigmas, literal_sigmas, schedule_mu, turbo_sigmas
 from . import bridge, placement
 from .bridge import io
+from .comfy_sampling import sampler_runner
 from .types import CATEGORY, Conditioning, Model
-from .validation import require, widget_problem
+from .validation import refuse_unknown_inputs, require, widget_problem
 
 MIN_SIZE, MAX_SIZE = 32, 4096  # the reference pipeline runs any multiple of 32
 TRAINED_MIN_SIZE = 256  # below this the report notes that the model was trained at larger sizes
@@ -32,7 +42,8 @@ PREFIX_CACHE_TOOLTIP = ("on: the first step computes the prompt and references o
                         "cache out.")
 KEEP_CACHE_TOOLTIP = ("Keep the prefix cache after the run (bounded store, least-recently-used eviction) so the next "
                       "run with the same model, prompt and references (another seed, size or batch) skips the first "
-                      "step's prefill. Costs the cache's memory between runs; off frees it at the end.")
+                      "step's prefill, and a run with the same references but other words computes only the words. "
+                      "Costs the cache's memory between runs; off frees it at the end.")
 
 
 def _size_inputs():
@@ -99,9 +110,10 @@ def _reference_difference(positive, negative) -> str | None:
 
 def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigmas_for, negative=None, cfg=1.0,
         prefix_cache="on", keep_cache=False, sigmas=None, latent_image=None, denoise=1.0,
-        add_noise=True) -> io.NodeOutput:
+        add_noise=True, sampler_object=None) -> io.NodeOutput:
     """What both samplers do: size, schedule, start image, sampling with progress/interrupt/previews, report,
-    LATENT. `sigmas_for(width, height, denoise)` is the sampler's own schedule."""
+    LATENT. `sigmas_for(width, height, denoise)` is the sampler's own schedule. `sampler_object`: a ComfyUI SAMPLER
+    to run instead of the built-in Euler loop (nodes/comfy_sampling.py)."""
     notes = []
     denoise = 1.0 if denoise is None else float(denoise)
     check_denoise(denoise)
@@ -143,6 +155,11 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     for note in notes:
         bridge.log.warning("qi21 %s sampler: %s", sampler, note)
 
+    # a SAMPLER is checked before anything is loaded; its model_sampling is shifted as the official schedule is
+    runner = sampler_name = None
+    if sampler_object is not None:
+        mu = 0.0 if sampler == "turbo" else schedule_mu(latent_tokens(width, height))
+        sampler_name, runner = sampler_runner(sampler_object, seed=seed, mu=mu)
     # The memory plan, made before the noise or anything else is allocated: a run that fits no placement (a
     # 4096x4096 batch of 64 is within the widgets' limits and would otherwise grow until the OS kills the server)
     # is refused here with the least memory it needs and what to change (model/memory/planner.py).
@@ -164,9 +181,14 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
         result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise, negative=negative,
                         cfg=cfg, prefix_cache=prefix_cache == "on", keep_cache=keep_cache, callback=on_step,
                         check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
-                        add_noise=add_noise, new_cache=job.new_cache, store=job.store)
+                        add_noise=add_noise, new_cache=job.new_cache, store=job.store, sampler=runner)
     report = dict(result.report)
+    if sampler_name is not None:
+        report["sampler"] = sampler_name
     report.update(job.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
+    gemm = gemm_summary(model, bridge.compute_device())
+    if gemm:  # per quantized format: its own GEMM kernel, or dequantized per layer before a plain GEMM
+        report["quantized_gemm"] = gemm
     if notes:
         report["notes"] = notes + report.get("notes", [])
     bridge.log.info("qi21_report %s", json.dumps(report))
@@ -198,6 +220,10 @@ def _start_inputs():
         io.Boolean.Input("add_noise", default=True, optional=True,
                          tooltip="Off: latent_image is already noised to the first sigma (the second sampler of a "
                                  "schedule split with SplitSigmas). On: noise it first (img2img)."),
+        io.Sampler.Input("sampler", optional=True,
+                         tooltip="Any ComfyUI sampler (KSamplerSelect: euler, dpmpp_2m, res_multistep, heun, uni_pc, "
+                                 "er_sde, ...) instead of the built-in Euler, over the same schedule, seed and "
+                                 "prefix cache (filled by the first model call, reused by every later one)."),
     ]
 
 
@@ -239,17 +265,25 @@ class QI21Sampler(io.ComfyNode):
             return f"steps = {steps}: at least 1 step is needed (40 is the official setting)."
         if cfg is not None and not cfg >= 1.0:  # also refuses NaN
             return f"cfg = {cfg}: true CFG scales below 1 are not meaningful; use 1 (off) or more."
+        denoise = kwargs.get("denoise")
+        if steps is not None and denoise is not None and "sigmas" not in kwargs:
+            problem = denoise_problem(denoise, steps)  # without connected sigmas: the tail of a longer schedule
+            if problem is not None:
+                return problem
         return _check_size(cls, width, height, steps=steps, cfg=cfg, **kwargs)
 
     @classmethod
     def execute(cls, model, positive, seed, steps, cfg, width, height, batch_size, negative=None, prefix_cache="on",
-                keep_cache=False, sigmas=None, latent_image=None, denoise=1.0, add_noise=True) -> io.NodeOutput:
+                keep_cache=False, sigmas=None, latent_image=None, denoise=1.0, add_noise=True,
+                sampler=None, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         require(cls.validate_inputs(width=width, height=height, steps=steps, cfg=cfg, batch_size=batch_size, seed=seed,
-                                     prefix_cache=prefix_cache, denoise=denoise))
+                                     prefix_cache=prefix_cache, denoise=denoise,
+                                     **({} if sigmas is None else {"sigmas": sigmas})))
         return run(model, positive, sampler="base", seed=seed, width=width, height=height, batch_size=batch_size,
                    sigmas_for=lambda w, h, d: denoise_tail(lambda n: base_sigmas(n, w, h), steps, d),
                    negative=negative, cfg=cfg, prefix_cache=prefix_cache, keep_cache=keep_cache, sigmas=sigmas,
-                   latent_image=latent_image, denoise=denoise, add_noise=add_noise)
+                   latent_image=latent_image, denoise=denoise, add_noise=add_noise, sampler_object=sampler)
 
 
 class QI21TurboSampler(io.ComfyNode):
@@ -281,10 +315,12 @@ class QI21TurboSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, positive, seed, width, height, batch_size, prefix_cache="on", keep_cache=False,
-                sigmas=None, latent_image=None, denoise=1.0, add_noise=True) -> io.NodeOutput:
+                sigmas=None, latent_image=None, denoise=1.0, add_noise=True, sampler=None,
+                **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         require(cls.validate_inputs(width=width, height=height, batch_size=batch_size, seed=seed,
                                      prefix_cache=prefix_cache, denoise=denoise))
         return run(model, positive, sampler="turbo", seed=seed, width=width, height=height, batch_size=batch_size,
                    sigmas_for=lambda w, h, d: fixed_tail(model_turbo_sigmas(model), d), prefix_cache=prefix_cache,
                    keep_cache=keep_cache, sigmas=sigmas, latent_image=latent_image, denoise=denoise,
-                   add_noise=add_noise)
+                   add_noise=add_noise, sampler_object=sampler)

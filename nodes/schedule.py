@@ -1,20 +1,33 @@
 """The schedule as a core SIGMAS value, for ComfyUI's sigma nodes (SplitSigmas, FlipSigmas, ...) and the samplers'
 `sigmas` input."""
 
-from ..model.latents import DEFAULT_SIZE
-from ..model.sampling.img2img import denoise_tail, fixed_tail
-from ..model.sampling.schedule import base_sigmas, turbo_sigmas
+import dataclasses
+
+from ..model.latents import DEFAULT_SIZE, latent_tokens
+from ..model.sampling.flow_schedulers import COMFY_SCHEDULERS, scheduler_sigmas
+from ..model.sampling.img2img import denoise_problem, denoise_tail, fixed_tail
+from ..model.sampling.schedule import BASE_CONFIG, base_sigmas, schedule_mu, turbo_sigmas
 from .bridge import io
 from .types import CATEGORY
-from .validation import require, widget_problem
+from .validation import refuse_unknown_inputs, require, widget_problem
+
+SCHEDULER_CHOICES = ("official", *COMFY_SCHEDULERS)
 
 
-def schedule_sigmas(schedule: str, steps: int, width: int, height: int, denoise: float = 1.0):
-    """The samplers' own schedule: Base (shifted by the image size; 0 = 1024) or Turbo's stored grid."""
+def schedule_sigmas(schedule: str, steps: int, width: int, height: int, denoise: float = 1.0,
+                    scheduler: str = "official", shift_terminal: float = BASE_CONFIG.shift_terminal):
+    """The samplers' own schedule: Base (shifted by the image size; 0 = 1024; stretched to end on `shift_terminal`,
+    0 = no stretch) or Turbo's stored grid. For Base, `scheduler` other than "official" is ComfyUI's scheduler of
+    that name for a flow model shifted by the official mu for this size (model/sampling/flow_schedulers.py; the
+    stretch is the official schedule's own and does not apply to them)."""
     if schedule == "turbo":
         return fixed_tail(turbo_sigmas(), denoise)
     width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE
-    return denoise_tail(lambda n: base_sigmas(n, width, height), steps, denoise)
+    if scheduler in (None, "official"):
+        config = dataclasses.replace(BASE_CONFIG, shift_terminal=shift_terminal or None)
+        return denoise_tail(lambda n: base_sigmas(n, width, height, config), steps, denoise)
+    mu = schedule_mu(latent_tokens(width, height))
+    return denoise_tail(lambda n: scheduler_sigmas(scheduler, n, mu), steps, denoise)
 
 
 class QI21Sigmas(io.ComfyNode):
@@ -41,6 +54,15 @@ class QI21Sigmas(io.ComfyNode):
                 io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, optional=True,
                                tooltip="Below 1: the last steps of a longer schedule, as ComfyUI's schedulers do "
                                        "(img2img). For turbo: the last round(8 * denoise) of its 8 steps."),
+                io.Combo.Input("scheduler", options=list(SCHEDULER_CHOICES), default="official", optional=True,
+                               tooltip="official: the released Base schedule (dynamic shift, last sigma 0.02). The "
+                                       "others are ComfyUI's schedulers, computed as ComfyUI does for a flow model "
+                                       "shifted by the official mu for this size. Turbo always keeps its stored 8."),
+                io.Float.Input("shift_terminal", default=BASE_CONFIG.shift_terminal, min=0.0, max=0.5, step=0.01,
+                               optional=True,
+                               tooltip="Base only: the last sigma before 0 that the schedule is stretched to (the "
+                                       "official 0.02). 0 = no stretch: the size-shifted schedule as is, which "
+                                       "lightx2v's Lightning LoRA was trained with."),
             ],
             outputs=[io.Sigmas.Output(display_name="SIGMAS")],
         )
@@ -49,9 +71,17 @@ class QI21Sigmas(io.ComfyNode):
     def validate_inputs(cls, denoise=1.0, **kwargs):
         if denoise is not None and not 0.0 < denoise <= 1.0:
             return f"denoise = {denoise}: use a value in (0, 1] (0 would be a schedule without a step)."
+        steps = kwargs.get("steps")
+        if denoise is not None and steps is not None and kwargs.get("schedule") != "turbo":
+            problem = denoise_problem(denoise, steps)  # a tiny denoise would build a huge schedule
+            if problem is not None:
+                return problem
         return widget_problem(cls, denoise=denoise, **kwargs)
 
     @classmethod
-    def execute(cls, schedule, steps, width, height, denoise=1.0) -> io.NodeOutput:
-        require(cls.validate_inputs(schedule=schedule, steps=steps, width=width, height=height, denoise=denoise))
-        return io.NodeOutput(schedule_sigmas(schedule, steps, width, height, denoise))
+    def execute(cls, schedule, steps, width, height, denoise=1.0, scheduler="official",
+                shift_terminal=BASE_CONFIG.shift_terminal, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
+        require(cls.validate_inputs(schedule=schedule, steps=steps, width=width, height=height, denoise=denoise,
+                                    scheduler=scheduler, shift_terminal=shift_terminal))
+        return io.NodeOutput(schedule_sigmas(schedule, steps, width, height, denoise, scheduler, shift_terminal))

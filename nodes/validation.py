@@ -21,12 +21,42 @@ def widget_option(spec, key: str):
     return options if key == "options" else getattr(spec, key, None)
 
 
+def unknown_inputs_problem(node, names) -> str | None:
+    """A message naming the node and every name in `names` that is not one of its inputs, or None.
+
+    ComfyUI drops a constant (widget) value for an input a node does not have before the node sees it, for every
+    node, but follows a *link* into such an input and passes its value on: core's own nodes then fail with a bare
+    `TypeError: execute() got an unexpected keyword argument`. Such a link comes from a workflow saved with another
+    version of the pack (a `sampler` wired in by a newer one) or an API client's typo; dropping it quietly would
+    run something else than the graph shows, so it is refused by name instead."""
+    schema = node.define_schema()
+    known = [spec.id for spec in schema.inputs]
+    unknown = [name for name in names if name not in known]
+    if not unknown:
+        return None
+    listed = ", ".join(repr(str(name)[:60]) for name in unknown[:5])
+    return (f"{schema.display_name} ({schema.node_id}) has no input {listed}; its inputs are {', '.join(known)}. The "
+            "workflow was saved with another version of this pack, or the prompt misspells an input: remove that "
+            "link, or update the pack to the version the workflow was made with.")
+
+
+def refuse_unknown_inputs(node, unknown: dict) -> None:
+    """What `execute(..., **unknown)` calls first: a ValueError naming the node and the inputs it does not have."""
+    problem = unknown_inputs_problem(node, unknown) if unknown else None
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def widget_problem(node, **values) -> str | bool:
-    """True when every given value fits its input's schema; else a message naming the first input that does not.
+    """True when every given value fits its input's schema; else a message naming the first input that does not
+    (or the inputs the node does not have: ComfyUI hands a linked one to `validate_inputs` as None).
 
     `None` values are skipped: ComfyUI passes None for every linked input at validation time (the value comes
     later), and `execute` checks again with the real values.
     """
+    problem = unknown_inputs_problem(node, values)
+    if problem is not None:
+        return problem
     for spec in node.define_schema().inputs:
         value = values.get(spec.id)
         if value is None:

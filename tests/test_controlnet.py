@@ -112,7 +112,7 @@ def test_int8_convrot_file_runs_quantized_close_to_its_dequantized_twin(files, p
     assert rel < 0.02, rel  # W8A8: activations are quantized per row too
 
 
-def test_a_bf16_net_runs_beside_an_fp32_model_in_its_own_dtype(files, net, pair):
+def test_a_bf16_net_beside_an_fp32_model_keeps_its_weights_and_computes_in_the_models_dtype(files, net, pair):
     _, model = pair
     half = load_controlnet(files["alibaba"], weight_dtype="bf16")
     assert half.compute_dtype == torch.bfloat16 and half.blocks[0].qkv.weight.dtype == torch.bfloat16
@@ -120,8 +120,10 @@ def test_a_bf16_net_runs_beside_an_fp32_model_in_its_own_dtype(files, net, pair)
     cond = conditioning()
     on = sample(apply_controlnet(model, half, hint), cond, sigmas=SIGMAS[:3], width=WIDTH, height=HEIGHT)
     full = sample(apply_controlnet(model, net, hint), cond, sigmas=SIGMAS[:3], width=WIDTH, height=HEIGHT)
-    assert on.latents.dtype == torch.float32 and on.report["control"]["cache_bytes"]["control"] * 4 == \
-        on.report["control"]["cache_bytes"]["base"]  # bf16 control K/V beside fp32 base K/V
+    assert half.blocks[0].qkv.weight.dtype == torch.bfloat16  # no fp32 copy of the net was kept
+    # the control's K/V are more layers of the model's fp32 cache: 1 control block beside 2 base blocks
+    assert on.latents.dtype == torch.float32 and on.report["control"]["cache_bytes"]["control"] * 2 == \
+        on.report["control"]["cache_bytes"]["base"]
     assert ((on.latents - full.latents).abs().max() / full.latents.abs().max()).item() < 0.02
 
 
@@ -197,7 +199,7 @@ def test_uncached_controlled_forward_equals_the_facts_written_out(pair, files, n
     with torch.no_grad():
         expected = oracle_velocity(reference, files["state"], kwargs, t, hint, strength)
         got = patched(target, t, prefixes, list(range(batch)),  # make_case gives each sample its own prompt
-                      control=patched.control.stream(GRID, None, "cpu", torch.float32))
+                      control=patched.control.stream(GRID, patched.config.num_layers, "cpu", torch.float32))
         plain = model(target, t, prefixes, list(range(batch)))
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
     assert (got - plain).abs().max() > 0.1  # the control changes the result
@@ -281,8 +283,9 @@ def test_kept_cache_keys_on_net_and_strength_not_on_the_image(pair, net, vae):
         torch.testing.assert_close(hit.latents, fresh.latents, rtol=0, atol=TOL)
         assert run(controlled(model, net, vae, strength=0.5)).report["cache"] == "miss"
         assert run(model).report["cache"] == "miss"  # the plain model never reads a controlled prefix
-    keys = list(store._entries)
-    assert len(keys) == 3 and {k[-2][2] for k in keys if k[-2]} == {1.0, 0.5}
+    keys = [key for key, _ in store._entries.values()]  # (model, dtype, [control], loras)
+    assert len(keys) == 3 and {key[2][2] for key in keys if len(key) == 4} == {1.0, 0.5}
+    assert len({key[0] for key in keys}) == 1  # every key names the model the control was applied to
 
 
 def test_strength_zero_or_no_input_returns_the_model_itself(pair, net):
@@ -363,4 +366,4 @@ def test_an_interrupt_mid_window_frees_both_streams_caches(pair, net):
     with torch.no_grad(), pytest.raises(KeyboardInterrupt):
         sample(patched, conditioning(), sigmas=SIGMAS, width=WIDTH, height=HEIGHT, callback=interrupt,
                new_cache=new_cache)
-    assert len(made) == 3 and not any(cache.filled for cache in made)  # plain, controlled base, control
+    assert len(made) == 2 and not any(cache.filled for cache in made)  # plain, controlled (base + control layers)

@@ -362,4 +362,10 @@ def test_the_shipped_workflows_run_green_on_the_tiny_set(tmp_path, tiny_models, 
         capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["workflows"]) == len(SHIPPED)
-    assert all(w["images"] for w in summary["workflows"])
+    ran = [w for w in summary["workflows"] if not w["workflow"].startswith("official_")]
+    assert ran and all(w["ok"] and w["images"] for w in ran)
+    # the official templates' counterparts use core nodes (KSamplerSelect, the prompt enhancer): a real ComfyUI runs
+    # them (tests/test_comfyui_server.py); here they are skipped by name, never counted as run
+    for w in summary["workflows"]:
+        if w["workflow"].startswith("official_"):
+            assert not w["ok"] and w["skipped"].startswith("needs ComfyUI for its core nodes"), w

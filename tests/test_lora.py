@@ -455,13 +455,13 @@ def test_a_partly_matched_file_loads_and_the_report_counts_what_was_ignored(base
     tensors = {**pair_for("transformer_blocks.0.attn.to_q", 64, 64),
                "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.randn(4, 8),
                "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.randn(8, 4),
-               "transformer.transformer_blocks.0.attn.norm_q.diff": torch.randn(32),
+               "transformer.transformer_blocks.0.img_norm1.diff": torch.randn(32),  # affine-free: no weight
                "transformer.transformer_blocks.1.attn.to_k.hada_w1_a": torch.randn(64, 4)}
     model = apply_lora(base_model, write_lora(tmp_path / "partial.safetensors", tensors), 1.0)
     (note,) = model.loras[0].notes
     assert note.startswith("LoRA partial.safetensors: 4 of its keys were ignored")
     assert "2 text-encoder keys" in note and "1 LyCORIS LoHa (hada_*)" in note and "1 layer pair(s) applied" in note
-    assert "1 keys that name no Linear of the Qwen-Image 2.1 DiT" in note and "norm_q.diff" in note
+    assert "1 keys that name no Linear of the Qwen-Image 2.1 DiT" in note and "img_norm1.diff" in note
     cond = conditioning_for(base_model)
     with torch.no_grad():
         result = sample(model, cond, sigmas=base_sigmas(2, 256, 256), width=256, height=256, seed=0)

@@ -35,13 +35,15 @@ from comfy_kitchen.tensor import (  # noqa: E402
     AsymW4A8Int8Layout,
     TensorCoreConvRotW4A4Layout,
     TensorCoreFP8Layout,
+    TensorCoreMXFP8Layout,
+    TensorCoreNVFP4Layout,
     TensorWiseINT8Layout,
 )
 
 import graph_fixtures as gf  # noqa: E402
 from dit_fixtures import make_case  # noqa: E402
 from qi21.demo import tiny_checkpoints as tiny  # noqa: E402
-from qi21.model.layers import kitchen as kitchen_layers  # noqa: E402
+from qi21.model.layers import formats, kitchen as kitchen_layers  # noqa: E402
 from qi21.model.layers.linear import Linear  # noqa: E402
 from qi21.model.loaders import kitchen as quantized  # noqa: E402
 from qi21.model.loaders.dit import load_dit  # noqa: E402
@@ -85,6 +87,14 @@ def quantize(kind: str, weight: torch.Tensor, group: int = GROUP):
             roles["weight_codebook"] = p.codebook
         description = {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": group}
         return roles, description, AsymW4A8Int8Layout.dequantize(q, p).float()
+    if kind == "nvfp4":  # block scales (fp8, swizzled) as `weight_scale`, the global scale as `weight_scale_2`
+        q, p = TensorCoreNVFP4Layout.quantize(w)
+        return ({"weight": q, "weight_scale": p.block_scale, "weight_scale_2": p.scale}, {"format": "nvfp4"},
+                TensorCoreNVFP4Layout.dequantize(q, p).float())
+    if kind == "mxfp8":  # E8M0 block scales (swizzled) stored as bytes, as ComfyUI reads them
+        q, p = TensorCoreMXFP8Layout.quantize(w)
+        return ({"weight": q, "weight_scale": p.scale.view(torch.uint8)}, {"format": "mxfp8"},
+                TensorCoreMXFP8Layout.dequantize(q, p).float())
     if kind == "w4a4":
         q, p = TensorCoreConvRotW4A4Layout.quantize(w, convrot_groupsize=group, quant_group_size=64)
         return ({"weight": q, "weight_scale": p.scale}, {"format": "convrot_w4a4", "convrot_groupsize": group},
@@ -177,8 +187,12 @@ def parameter_bytes(module: torch.nn.Module) -> int:
     pytest.param("float8_e4m3fn", "legacy", "model.diffusion_model.", id="legacy scaled_fp8"),
     pytest.param("w4a8", "tensor", "", id="W4A8"),
     pytest.param("w4a4", "tensor", "", id="ConvRot W4A4"),
+    pytest.param("nvfp4", "tensor", "", id="NVFP4"),
+    pytest.param("mxfp8", "metadata", "model.diffusion_model.", id="MXFP8, header metadata, prefixed"),
 ])
 def test_every_format_matches_its_dequantized_model_and_keeps_the_file_bytes(tmp_path, kind, where, prefix):
+    """On a CPU the int8, W4A8, NVFP4 and MXFP8 layers are dequantized right before their GEMMs: equal to the
+    dequantized model (<= 1e-5); the int8 kernels, asked for, stay within their activation-quantization bounds."""
     path, twin, tensors = write_dit(tmp_path, "qwen_image_2.1_int8_convrot.safetensors", kind, where, prefix)
     model, reference = load_dit(path), load_dit(twin)
     assert model.compute_dtype == torch.float32 and model.source.quantized
@@ -187,7 +201,15 @@ def test_every_format_matches_its_dequantized_model_and_keeps_the_file_bytes(tmp
     assert parameter_bytes(model) == payload(tensors)  # nothing upcast, nothing left out
     if kind == "float8_e5m2":
         assert model.blocks[0].gate_up.weight_0.dtype == torch.float8_e5m2
-    assert_matches(velocity(model), velocity(reference), kind)
+    fmt = model.source.quantized[0]
+    summary = kitchen_layers.gemm_summary(model, torch.device("cpu"))
+    assert summary == {fmt: "kernel" if kind == "w4a4" else "dequantize"}
+    expected = velocity(reference)
+    assert_matches(velocity(model), expected, kind if kind in ("w4a4",) else "float8_e4m3fn")  # 1e-5 but W4A4
+    if kind in ("int8_convrot", "int8", "w4a8"):
+        kitchen_layers.set_gemm(model, "kernel")
+        assert kitchen_layers.gemm_summary(model, "cpu") == {fmt: "kernel"}
+        assert_matches(velocity(model), expected, kind)
 
 
 def test_row_ranges_of_fused_weights_use_each_file_tensors_own_scales(tmp_path):
@@ -201,6 +223,7 @@ def test_row_ranges_of_fused_weights_use_each_file_tensors_own_scales(tmp_path):
     model = load_dit(tmp_path / "qwen_image_2.1_int8.safetensors")
     width, hidden = model.config.width, model.config.mlp_hidden
     qkv, gate_up = model.blocks[1].qkv, model.blocks[1].gate_up
+    qkv.gemm = gate_up.gemm = "kernel"  # comfy-kitchen's int8 GEMM, also on a CPU
     assert [(s.start, s.end) for s in qkv.segments] == [(0, width), (width, 2 * width), (2 * width, 3 * width)]
     scales = [tensors[f"transformer_blocks.1.attn.to_{x}.weight_scale"] for x in "qkv"]
     assert scales[0].numel() == 1 and len({s.item() for s in scales}) == 3  # really different scales
@@ -255,16 +278,28 @@ def test_a_lora_runs_on_a_quantized_model(tmp_path, tiny_models):
     assert all(a is b for a, b in zip(model.parameters(), with_lora.parameters()))
 
 
-def test_own_fp8_option_uses_the_same_fp8_linear_and_the_plain_path_without_kitchen(tiny_models, monkeypatch):
-    model = load_dit(tiny_models["dit"], weight_dtype="fp8_e4m3fn")
+def test_one_fp8_path_for_the_own_option_and_fp8_files_without_comfy_kitchen(tiny_models, tmp_path, monkeypatch):
+    """weight_dtype fp8_e4m3fn on a float file and an fp8 file make the same fp8 QuantLinear, in plain torch: the
+    same layers whether comfy-kitchen is installed or not, equal to the model on the fp8-rounded weights."""
+    path, twin, _ = write_dit(tmp_path, "qwen_image_2.1_fp8.safetensors", "float8_e4m3fn")
+    model, from_file = load_dit(tiny_models["dit"], weight_dtype="fp8_e4m3fn"), load_dit(path)
     qkv = model.blocks[0].qkv
     assert isinstance(qkv, kitchen_layers.QuantLinear) and qkv.segments[0].fmt == "float8_e4m3fn"
     assert qkv.weight.dtype == torch.float8_e4m3fn  # the single segment's data is the layer's `weight`
+    assert [s.fmt for s in from_file.blocks[0].qkv.segments] == ["float8_e4m3fn"] * 3
     monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # as if not installed
-    plain = load_dit(tiny_models["dit"], weight_dtype="fp8_e4m3fn")
-    assert type(plain.blocks[0].qkv) is Linear and plain.blocks[0].qkv.weight.dtype == torch.float8_e4m3fn
+    without = load_dit(tiny_models["dit"], weight_dtype="fp8_e4m3fn")
+    assert type(without.blocks[0].qkv) is type(qkv) and without.blocks[0].qkv.weight.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(velocity(model), velocity(without), rtol=0, atol=0)
+    assert_matches(velocity(load_dit(path)), velocity(load_dit(twin)), "float8_e4m3fn")  # no comfy-kitchen either
     monkeypatch.undo()
-    torch.testing.assert_close(velocity(model), velocity(plain), rtol=0, atol=1e-5)
+    rounded = load_dit(tiny_models["dit"], weight_dtype="fp32")
+    for name, module in rounded.named_modules():
+        if isinstance(getattr(model.get_submodule(name), "segments", None), list):
+            module.weight.data = module.weight.data.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    rounded.compute_dtype = torch.bfloat16
+    reference = velocity(rounded.to(torch.bfloat16))
+    assert (velocity(model) - reference).abs().max() <= 1e-2 * reference.abs().max()  # both bf16 compute
 
 
 # -- the text encoder ------------------------------------------------------------------------------------------------
@@ -273,20 +308,24 @@ def te_state() -> dict:
     return {tiny.comfy_text_encoder_key(k): v for k, v in tiny.text_encoder_state_dict(config, 3).items()}
 
 
-def write_te(folder, name, kind):
-    """`qwen3vl_8b_int8_convrot` (LM linears, token table and LM head int8 ConvRot, vision tower float) or
-    `qwen3vl_8b_w4a8` (LM linears W4A8) at toy size, with a dequantized twin."""
+def write_te(folder, name, kind, where="tensor"):
+    """`qwen3vl_8b_int8_convrot` (LM linears, token table and LM head int8 ConvRot, vision tower float),
+    `qwen3vl_8b_w4a8` (LM linears W4A8) or `qwen3vl_8b_fp8_scaled` (`where="legacy"`: LM linears, LM head and
+    vision linears fp8 with `scale_weight`, a `scaled_fp8` marker) at toy size, with a dequantized twin."""
     if kind == "int8_convrot":
         pick = lambda key: bool(TE_LINEAR.fullmatch(key)) or key in ("model.embed_tokens.weight", "lm_head.weight")  # noqa: E731
+    elif where == "legacy":
+        pick = lambda key: bool(TE_LINEAR.fullmatch(key) or VISION_LINEAR.search(key)) or key == "lm_head.weight"  # noqa: E731
     else:
         pick = TE_LINEAR.fullmatch
-    out, metadata, reference = quantized_files(te_state(), kind, pick, group=TE_GROUP)
+    out, metadata, reference = quantized_files(te_state(), kind, pick, group=TE_GROUP, where=where)
     path, twin = folder / name, folder / ("dequantized_" + name)
     save_file(out, str(path), metadata=metadata)
     save_file(reference, str(twin), metadata={"format": "pt"})
     return path, twin, out
 
 
+VISION_LINEAR = re.compile(r"visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])\.weight$")
 LOADED_TE = re.compile(r"model\.(layers|embed_tokens|visual)\.")  # the final norm and the LM head are never loaded
 
 
@@ -307,6 +346,29 @@ def test_text_encoder_formats_match_their_dequantized_model(tmp_path, tiny_model
     for prompt in ("a red fox in the snow", "two cats"):
         got, expected = encoder.encode(prompt).embeds, reference.encode(prompt).embeds
         assert (got - expected).abs().max() / expected.abs().max() <= bound
+
+
+@pytest.mark.parametrize("marker", ["scaled_fp8", "model.scaled_fp8"])
+def test_legacy_scaled_fp8_text_encoder_loads_and_matches_its_dequantized_model(tmp_path, tiny_models, marker):
+    """`qwen3vl_8b_fp8_scaled.safetensors`-style: a `scaled_fp8` marker (bare, or under a prefix as ComfyUI's text
+    encoder loader looks for it), fp8 weights with `scale_weight` / `scale_input`; weight-only, so equal to the
+    dequantized model within 1e-5."""
+    path, twin, tensors = write_te(tmp_path, "qwen3vl_8b_fp8_scaled.safetensors", "float8_e4m3fn", where="legacy")
+    if marker != "scaled_fp8":
+        tensors[marker] = tensors.pop("scaled_fp8")
+        save_file(tensors, str(path))
+    assert marker in tensors and any(key.endswith(".scale_weight") for key in tensors)
+    reference = load_text_encoder(twin, tokenizer_dir=tiny_models["tokenizer"])
+    encoder = load_text_encoder(path, tokenizer_dir=tiny_models["tokenizer"])
+    assert isinstance(encoder.model.language_model.layers[0].mlp.down_proj, kitchen_layers.QuantLinear)
+    assert isinstance(encoder.model.visual.blocks[0].attn.qkv, kitchen_layers.QuantLinear)  # with its bias
+    assert parameter_bytes(encoder.model) == payload(tensors, lambda key: bool(LOADED_TE.match(key)))
+    from PIL import Image
+
+    image = Image.fromarray((torch.rand(256, 256, 3) * 255).to(torch.uint8).numpy())  # the vision tower runs too
+    for prompt, images in (("a red fox in the snow", ()), ("two cats", [image])):
+        got, expected = encoder.encode(prompt, images).embeds, reference.encode(prompt, images).embeds
+        assert (got - expected).abs().max() <= 1e-5
 
 
 def test_fp16_text_encoder_weights(tmp_path, tiny_models):
@@ -368,6 +430,7 @@ def test_whole_graph_on_an_int8_dit_and_a_w4a8_text_encoder(quantized_root):
     latent, report = out[0], out.ui["qi21_report"][0]
     assert latent["samples"].shape == (1, 64, 16, 16) and torch.isfinite(latent["samples"]).all()
     assert report["steps"] == 8
+    assert report["quantized_gemm"] == {"int8_tensorwise": "dequantize"}  # a CPU: no int8 GEMM
     rgb, mask, rgba = QI21VAEDecode.execute(vae, latent).args
     assert rgba.shape == (1, 256, 256, 4) and torch.isfinite(rgba).all()
 
@@ -447,14 +510,25 @@ def test_a_scale_without_a_description_is_refused(tmp_path):
            r"to_q\.weight_scale is a quantization scale, but the file describes no quantization")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
-def test_blackwell_formats_name_the_hardware_and_the_file_to_use(tmp_path, fmt):
-    path, _, _ = write_dit(tmp_path, f"qwen_image_2.1_{fmt}.safetensors", "int8")
-    rewrite(path, lambda t: t.update({"transformer_blocks.0.attn.to_q.comfy_quant": blob({"format": fmt})}))
-    message = refuse(path, rf"quantized as {fmt} \(e\.g\. transformer_blocks\.0\.attn\.to_q\): {fmt} needs an NVIDIA "
-                           r"Blackwell GPU \(compute capability 10\.0 or newer\)")
-    assert ("no CUDA GPU" in message) != torch.cuda.is_available()
-    assert "Use qwen_image_2.1_int8_convrot.safetensors" in message
+def test_tensor_cores_only_on_blackwell_and_int8_kernels_only_on_cuda(monkeypatch):
+    """The automatic choice per format and device, and what a setting may force (the Blackwell GEMMs cannot run
+    elsewhere, so forcing them falls back to dequantizing)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    mode = formats.gemm_mode
+    monkeypatch.setattr(formats, "blackwell", lambda device: torch.device(device).type == "cuda")  # a Blackwell GPU
+    for name in ("nvfp4", "mxfp8"):
+        assert mode(formats.FORMATS[name], {}, cpu) == "dequantize" == mode(formats.FORMATS[name], {}, cpu, "kernel")
+        assert mode(formats.FORMATS[name], {}, cuda) == "kernel"
+        assert mode(formats.FORMATS[name], {}, cuda, "dequantize") == "dequantize"
+    monkeypatch.setattr(formats, "blackwell", lambda device: False)  # an older GPU
+    nvfp4 = formats.FORMATS["nvfp4"]
+    assert mode(nvfp4, {}, cuda) == "dequantize" == mode(nvfp4, {}, cuda, "kernel")
+    int8 = formats.FORMATS["int8_tensorwise"]
+    assert (mode(int8, {}, cpu), mode(int8, {}, torch.device("mps")), mode(int8, {}, cuda)) == \
+        ("dequantize", "dequantize", "kernel")
+    assert mode(int8, {}, cpu, "kernel") == "kernel" and mode(int8, {}, cuda, "dequantize") == "dequantize"
+    assert mode(int8, {"full_precision": True}, cuda, "kernel") == "dequantize"
+    assert mode(formats.FORMATS["float8_e4m3fn"], {}, cuda, "kernel") == "dequantize"  # weight-only everywhere
 
 
 def test_convrot_w4a4_without_a_backend_is_refused(tmp_path):
@@ -526,7 +600,7 @@ def test_an_interrupted_quantized_load_leaves_nothing_behind(tmp_path, monkeypat
 def test_dequantized_rows_match_comfy_kitchen_for_every_format():
     """`weight_rows` of a lone segment equals comfy-kitchen's dequantization of the whole tensor cut to the rows."""
     weight = torch.randn(48, 128) / 8
-    for kind in ("int8_convrot", "int8", "float8_e4m3fn", "float8_e5m2", "w4a8", "w4a4"):
+    for kind in ("int8_convrot", "int8", "float8_e4m3fn", "float8_e5m2", "w4a8", "w4a4", "nvfp4", "mxfp8"):
         roles, description, dense = quantize(kind, weight)
         fmt = description["format"]
         options = {"full_precision": False, "convrot": description.get("convrot", False),
@@ -537,7 +611,61 @@ def test_dequantized_rows_match_comfy_kitchen_for_every_format():
         torch.testing.assert_close(layer.weight_rows(5, 29, torch.float32), dense[5:29], rtol=0, atol=1e-6)
         x = torch.randn(3, 128)
         expected = F.linear(x, dense[5:29])
-        if REL_BOUND.get(kind) is None and kind.startswith("float8"):
+        if kind != "w4a4":  # every other format is dequantized on a CPU
             torch.testing.assert_close(layer.rows(x, 5, 29), expected, rtol=0, atol=1e-5)
-        else:
+        if REL_BOUND.get(kind) is not None:
+            layer.gemm = "kernel"
             assert_matches(layer.rows(x, 5, 29), expected, kind)
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
+def test_block_scaled_rows_are_cut_at_whole_tiles_of_the_swizzled_scales(kind):
+    """NVFP4 / MXFP8 block scales are stored in 128-row tiles: any row range (inside a tile, across tiles, the
+    ragged last tile) equals comfy-kitchen's dequantization of the whole tensor cut to those rows, exactly."""
+    weight = torch.randn(320, 96) / 8
+    roles, description, dense = quantize(kind, weight)
+    layer = kitchen_layers.QuantLinear(96, 320, torch.float32)
+    layer.add_segment(description["format"], roles, {"full_precision": False})
+    for start, end in ((0, 320), (5, 29), (100, 300), (128, 256), (250, 320), (256, 320), (127, 129)):
+        torch.testing.assert_close(layer.weight_rows(start, end, torch.float32), dense[start:end], rtol=0, atol=0)
+    x = torch.randn(4, 96)
+    torch.testing.assert_close(layer.rows(x, 100, 300), F.linear(x, dense[100:300]), rtol=0, atol=1e-5)
+    if kind == "nvfp4":  # AWQ-style smoothing: the inputs are multiplied by `pre_quant_scale` first
+        smooth = torch.rand(96) + 0.5
+        layer = kitchen_layers.QuantLinear(96, 320, torch.float32)
+        layer.add_segment("nvfp4", {**roles, "pre_quant_scale": smooth}, {"full_precision": False})
+        torch.testing.assert_close(layer.rows(x, 100, 300), F.linear(x * smooth, dense[100:300]), rtol=0, atol=1e-5)
+        torch.testing.assert_close(layer.weight_rows(0, 320, torch.float32), dense * smooth, rtol=0, atol=0)
+
+
+def test_byte_tables_equal_torch_conversions_pair_by_pair_and_byte_by_byte():
+    """The dequantization tables (formats.py) against torch's own fp8 conversion and the E2M1 code values, for an
+    even number of bytes a row (looked up two at a time) and an odd one (one at a time)."""
+    data = torch.arange(256, dtype=torch.uint8).repeat(3, 2)  # every byte, 512 a row
+    for kind, fp8 in (("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        expected = data.view(fp8).float()
+        table = formats.byte_table(kind, torch.float32, "cpu")
+        for cols in (512, 511):
+            got = formats.by_table(data[:, :cols], table)
+            assert torch.equal(got.isnan(), expected[:, :cols].isnan())
+            assert torch.equal(got.nan_to_num(), expected[:, :cols].nan_to_num())
+    e2m1 = torch.tensor(formats.E2M1)
+    expected = torch.stack((e2m1[data.long() >> 4], e2m1[data.long() & 15]), dim=-1).view(3, -1)  # high nibble first
+    for cols in (512, 511):
+        got = formats.by_table(data[:, :cols], formats.byte_table("e2m1", torch.float32, "cpu"))
+        assert torch.equal(got, expected[:, : 2 * cols])
+
+
+def test_convrot_input_rotation_equals_the_published_hadamard_blocks():
+    """`rotate_inputs` (two small Kronecker factors) against `x @ H` block by block, H the Kronecker power of H4 over
+    sqrt(g); H orthonormal and symmetric (the quantizer and its inverse are the same transform)."""
+    h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
+    x = torch.randn(5, 3, 512, dtype=torch.float64)
+    for group, power in ((4, 1), (16, 2), (64, 3), (256, 4)):
+        h = torch.ones(1, 1, dtype=torch.float64)
+        for _ in range(power):
+            h = torch.kron(h, h4)
+        h = h / group**0.5
+        torch.testing.assert_close(h @ h, torch.eye(group, dtype=torch.float64))
+        expected = (x.reshape(-1, group) @ h).reshape(x.shape)
+        torch.testing.assert_close(formats.rotate_inputs(x, group), expected, rtol=0, atol=1e-12)

@@ -89,7 +89,7 @@ def test_fifty_runs_keep_memory_flat_and_the_kept_caches_inside_their_budget(gra
             assert after == before and report["cache"] == "miss"  # the store is left alone
         if i + 1 in (WARM_UP, RUNS):
             leftover, total = gf.leftovers()
-            kept = {id(cache) for cache in small_store._entries.values()}
+            kept = {id(cache) for cache in small_store.caches()}
             caches += [cache for cache in leftover if id(cache) not in kept]
             python_bytes[i + 1] = total - small_store.nbytes  # tensors alive outside the kept caches
             rss[i + 1] = resident_bytes()

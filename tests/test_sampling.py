@@ -13,6 +13,7 @@ from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
 from qi21.model.transformer.prefix_cache import PrefixKVCache
+from qi21.model.transformer.prefix_runs import prefix_runs
 
 WIDTH, HEIGHT = 512, 768  # latent 48 x 32 (w x h)
 LATENT = (HEIGHT // 16, WIDTH // 16)
@@ -135,8 +136,10 @@ def _count_prefills(model):
     original = PrefixKVCache.allocate
 
     def counting(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
+        if self.computed:  # a prefill computes rows; a cache made of kept rows only computes none
+            calls.append(1)
+        return result
 
     return calls, counting
 
@@ -172,10 +175,14 @@ def test_store_stays_inside_its_budget_and_evicts_least_recently_used(dit_pair):
             sample(ours, cond, sigmas=base_sigmas(2, 256, 256), width=256, height=256, keep_cache=True, store=store)
             assert store.nbytes <= store.budget_bytes
     assert len(store) == 2
-    kept = {key[2] for key in store._entries}  # (model id, dtype, fingerprint)
-    assert kept == {prompts[2].fingerprint(), prompts[3].fingerprint()}
+    kept = {cache.runs[0].digests[-1] for cache in store.caches()}
+    assert kept == {runs_of(prompts[2], (16, 16)).digests[-1], runs_of(prompts[3], (16, 16)).digests[-1]}
     store.clear()
     assert len(store) == 0 and store.nbytes == 0
+
+
+def runs_of(cond, grid=LATENT):
+    return prefix_runs(cond.layout(grid), cond.text, cond.references)
 
 
 class Stop(Exception):

@@ -94,8 +94,10 @@ def test_a_kept_host_cache_is_reused_and_stays_on_the_host(model):
     first, _ = run(model, (0, 2), "host", keep_cache=True, store=store)
     second, _ = run(model, (0, 2), "host", keep_cache=True, store=store)
     assert first.report["cache"] == "miss" and second.report["cache"] == "hit"
+    assert first.report["prefix_rows_computed"] == first.report["prefix_tokens"] == second.report["prefix_rows_reused"]
+    assert second.report["prefix_rows_computed"] == 0
     assert torch.equal(first.latents, second.latents)
-    (kept,) = store._entries.values()
+    (kept,) = store.caches()
     assert isinstance(kept, HostPrefixKVCache) and kept.device.type == "cpu" and kept._slots is None
     store.clear()
 

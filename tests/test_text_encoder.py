@@ -403,3 +403,93 @@ def test_image_processor_settings_are_read_from_either_processor_file(tokenizer_
 def test_an_explicit_tokenizer_folder_must_hold_a_tokenizer(files, tmp_path):
     with pytest.raises(CheckpointError, match="no tokenizer.json, nor vocab.json"):
         load_text_encoder(files / "qwen3vl_tiny.safetensors", tokenizer_dir=tmp_path)
+
+
+# -- reuse of the references' leading run (model/text_encoder_cache.py) ---------------------------------------------
+def counted_vision(encoder, monkeypatch):
+    calls = []
+    real = encoder.model.get_image_features
+
+    def counting(pixel_values, grid, **kwargs):
+        calls.append(tuple(grid[0].tolist()))
+        return real(pixel_values, grid, **kwargs)
+
+    monkeypatch.setattr(encoder.model, "get_image_features", counting)
+    return calls
+
+
+def test_a_new_instruction_runs_only_its_tokens_and_equals_a_full_encode(oracle, encoder, monkeypatch):
+    arrays = [random_image(256, 256, 3, seed=1), random_image(300, 260, 4, seed=2)]
+    refs = [prepare_reference(comfy_image(a), resolution=288) for a in arrays]
+    encoder.prompt_cache.clear()
+    calls = counted_vision(encoder, monkeypatch)
+    first = encoder.encode("Put <image1> beside <image2> at dawn", refs)
+    assert encoder.last_reused_tokens == 0 and len(calls) == 2
+    lead = int(first.image_slots.nonzero()[-1]) + 2  # through the last <|vision_end|>
+    second = encoder.encode("Put <image2> on the left and make it a winter scene", refs)
+    assert encoder.last_reused_tokens == lead + encoder.drop_tokens and len(calls) == 2  # no vision tower at all
+    assert torch.equal(second.embeds[:lead], first.embeds[:lead])  # bit for bit: the DiT reuses those rows too
+    # positive and negative after the same references in one call share the run as well
+    both = assert_matches_diffusers(oracle, encoder, ["Put <image2> on the left and make it a winter scene", " "],
+                                    arrays)
+    assert encoder.last_reused_tokens == lead + encoder.drop_tokens and len(calls) == 2
+    encoder.prompt_cache.budget_bytes = 0  # reuse off: the plain full encode
+    try:
+        full = encoder.encode("Put <image2> on the left and make it a winter scene", refs)
+    finally:
+        encoder.prompt_cache.budget_bytes = 2**31
+    assert (second.embeds - full.embeds).abs().max().item() <= ATOL
+    assert torch.equal(both.prompts[0].embeds, second.embeds)
+    del calls[2:]  # the full encode ran the tower inside transformers' forward
+    # another second reference: its vision output and everything after the first reference is computed again
+    other = [refs[0], prepare_reference(comfy_image(random_image(300, 260, 4, seed=9)), resolution=288)]
+    encoder.encode("Put <image1> beside <image2> at dawn", other)
+    assert encoder.last_reused_tokens == 0 and len(calls) == 3
+    assert encoder.prompt_cache.nbytes <= encoder.prompt_cache.budget_bytes
+    encoder.prompt_cache.clear()
+
+
+def test_the_prompt_cache_stays_in_its_budget_and_an_interrupted_encode_keeps_no_run(encoder):
+    refs = [prepare_reference(comfy_image(random_image(256, 256, 3, seed=4)), resolution=288)]
+    cache = encoder.prompt_cache
+    cache.clear()
+    encoder.encode("<image1> in fog", refs)
+    one_run = cache.nbytes
+    cache.clear()
+    layers = {"n": 0}
+
+    class Stop(Exception):
+        pass
+
+    def stop_in_the_language_model():
+        layers["n"] += 1
+        if layers["n"] == len(encoder.model.visual.blocks) + 2:  # the second decoder layer of the leading run
+            raise Stop
+
+    with pytest.raises(Stop), encoder.interruptible(stop_in_the_language_model):
+        encoder.encode("<image1> in fog", refs)
+    assert [key.split(":")[0] for key in cache._entries] == ["vision"]  # no half-run leading run
+    cache.budget_bytes = one_run - 1  # too small for both entries: the older goes
+    try:
+        encoder.encode("<image1> in fog", refs)
+        assert cache.nbytes <= cache.budget_bytes and len(cache) == 1
+    finally:
+        cache.budget_bytes = 2**31
+        cache.clear()
+
+
+def test_the_lead_key_names_the_references_and_the_text_before_them(encoder):
+    from qi21.model.pipeline import Reference, encode_prompt
+
+    def reference(seed):
+        prepared = prepare_reference(comfy_image(random_image(256, 256, 3, seed=seed)), resolution=288)
+        h, w = prepared.latent_grid
+        return Reference(prepared, torch.zeros(h * w, 64), (h, w))
+
+    one, two = reference(1), reference(2)
+    key = encode_prompt(encoder, "<image1> at night", [one]).lead_key
+    assert key == encode_prompt(encoder, "<image1> under snow, much later", [one]).lead_key  # other words
+    assert key != encode_prompt(encoder, "<image1> at night", [two]).lead_key  # another reference
+    assert key != encode_prompt(encoder, "<image1> at night", [one, two]).lead_key
+    assert encode_prompt(encoder, "a cat", []).lead_key is None
+    encoder.prompt_cache.clear()

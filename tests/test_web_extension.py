@@ -293,6 +293,10 @@ def test_report_summary_is_one_compact_line(sandbox):
     assert hit == "cache hit · 4,171 prefix tokens · 2.0 GiB on cuda:0 · step 0.16 s"  # the example
     assert miss == "cache miss · 5,204 prefix tokens · 2.5 GiB on cpu · prefill 1.23 s · step 45.6 ms"
     assert off == "cache off · 300 prefix tokens · step 2.50 s"  # no cache: no size, no device
+    partial = dict(MISS, cache="partial", prefix_tokens=4160, prefix_rows_reused=4131, prefix_rows_computed=29)
+    line, detail = report_call(sandbox, ("summarizeReport", [partial]), ("reportDetail", [partial]))
+    assert line.startswith("partial: 4,131 of 4,160 prefix rows reused · 4,160 prefix tokens")  # the line
+    assert "prefix rows: 4,131 reused, 29 computed in step 1" in detail.split("\n")
     assert report_call(sandbox, ("formatSeconds", [0.0043]), ("formatSeconds", [0.16]), ("formatSeconds", [12.34]),
                        ("formatSeconds", [123.4]), ("formatSeconds", [None])) == \
         ["4.3 ms", "0.16 s", "12.3 s", "123 s", "?"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from published_files import PUBLISHED, download_url
 from qi21.nodes import NODES
 from qi21.nodes.validation import widget_option
 
@@ -28,15 +29,23 @@ NAMES = [p.stem for p in UI_FILES]
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
-#: Model-file combos list the user's model folders (empty here), so the examples must use the released file names.
+#: Model-file combos list the user's model folders (empty here), so the examples must use published file names:
+#: the bf16 files of the official repackage (tests/published_files.py) and its LoRAs.
 RELEASED_FILES = {
-    "model_name": {"qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_turbo_bf16.safetensors"},
-    "text_encoder_name": {"qwen3vl_8b_bf16.safetensors"},
+    "model_name": {"qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_turbo_bf16.safetensors",
+                   "qwen_image_2.1_int8_convrot.safetensors", "qwen_image_2.1_turbo_int8_convrot.safetensors"},
+    "text_encoder_name": {"qwen3vl_8b_bf16.safetensors", "qwen3vl_8b_int8_convrot.safetensors"},
+    "clip_name": {"qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors",  # the prompt enhancers
+                  "qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot.safetensors"},
     "vae_name": {"qwen_image_2.1_vae_bf16.safetensors"},
-    "lora_name": {"qwen_image_2.1_speed_lora.safetensors"},  # the example's placeholder name (its note says so)
-    "control_net_name": {"qwen_image_2.1_fun_controlnet_union_bf16.safetensors"},
+    "lora_name": set(PUBLISHED["loras"]),
+    "control_net_name": set(PUBLISHED["model_patches"]),
 }
-TURBO_FILES = {"qwen_image_2.1_turbo_bf16.safetensors"}
+TURBO_FILES = {"qwen_image_2.1_turbo_bf16.safetensors", "qwen_image_2.1_turbo_int8_convrot.safetensors"}
+#: The counterparts of the official templates (workflows/official_*.json): the templates' int8 files, which the tiny
+#: model set does not hold, and the templates' own prompts (which name no <imageN>).
+OFFICIAL = {"official_t2i", "official_image_edit", "official_background_removal", "official_turbo_t2i",
+            "official_turbo_image_edit"}
 NOTES = {"Note", "MarkdownNote"}
 
 
@@ -106,6 +115,13 @@ def our_sig(node_class) -> Sig:
 
 
 _any_string = lambda v: None if isinstance(v, str) else f"{v!r} is not a string"  # noqa: E731
+_boolean = lambda v: None if isinstance(v, bool) else f"{v!r} is not a boolean"  # noqa: E731
+
+
+def _one_of(allowed):
+    return lambda v: None if v in allowed else f"{v!r} is not one of {sorted(allowed)}"
+
+
 _png = lambda v: None if isinstance(v, str) and v.endswith(".png") else f"{v!r} is not an image file name"  # noqa: E731
 
 #: ComfyUI core nodes the examples may use, as nodes.py / comfy_extras/nodes_mask.py define them (checked by
@@ -127,6 +143,36 @@ CORE = {
                  widgets=[("low_threshold", "FLOAT", _number_rule("FLOAT", 0.01, 0.99, 0.01)),
                           ("high_threshold", "FLOAT", _number_rule("FLOAT", 0.01, 0.99, 0.01))],
                  outputs=[("IMAGE", "IMAGE")]),
+    # the official templates' prompt-enhancer step (TextGenerate as of ComfyUI 0.37: system_prompt, mtp, thinking)
+    "CLIPLoader": Sig("Load CLIP", widgets=[("clip_name", "COMBO", _one_of(RELEASED_FILES["clip_name"])),
+                                            ("type", "COMBO", _one_of({"stable_diffusion", "qwen_image"})),
+                                            ("device", "COMBO", _one_of({"default", "cpu"}))],
+                      outputs=[("CLIP", "CLIP")]),
+    "TextGenerate": Sig("Generate Text",
+                        sockets=[("clip", "CLIP", False), ("image", "IMAGE", True), ("video", "IMAGE", True),
+                                 ("audio", "AUDIO", True), ("system_prompt", "STRING", True)],
+                        widgets=[("prompt", "STRING", _any_string),
+                                 ("max_length", "INT", _number_rule("INT", 1, 32768, 1)),
+                                 ("sampling_mode", "COMBO", _one_of({"on", "off"})),
+                                 ("sampling_mode.temperature", "FLOAT", _number_rule("FLOAT", 0.01, 2.0, None)),
+                                 ("sampling_mode.top_k", "INT", _number_rule("INT", 0, 1000, 1)),
+                                 ("sampling_mode.top_p", "FLOAT", _number_rule("FLOAT", 0.0, 1.0, None)),
+                                 ("sampling_mode.min_p", "FLOAT", _number_rule("FLOAT", 0.0, 1.0, None)),
+                                 ("sampling_mode.repetition_penalty", "FLOAT", _number_rule("FLOAT", 0.0, 5.0, None)),
+                                 ("sampling_mode.seed", "INT", _number_rule("INT", 0, None, 1)),
+                                 ("sampling_mode.presence_penalty", "FLOAT", _number_rule("FLOAT", 0.0, 5.0, None)),
+                                 ("thinking", "BOOLEAN", _boolean), ("use_default_template", "BOOLEAN", _boolean),
+                                 ("mtp", "COMBO", _one_of({"auto"}))],
+                        outputs=[("generated_text", "STRING"), ("thinking", "STRING")]),
+    "ComfySwitchNode": Sig("If/Else Switch", sockets=[("on_false", "STRING", True), ("on_true", "STRING", True)],
+                           widgets=[("switch", "BOOLEAN", _boolean)], outputs=[("output", "STRING")]),
+    "PrimitiveStringMultiline": Sig("Text (Multiline)", widgets=[("value", "STRING", _any_string)],
+                                    outputs=[("STRING", "STRING")]),
+    "PreviewAny": Sig("Preview as Text", sockets=[("source", "*", False)], outputs=[("STRING", "STRING")]),
+    "KSamplerSelect": Sig("KSamplerSelect", widgets=[("sampler_name", "COMBO", _one_of({"euler"}))],
+                          outputs=[("SAMPLER", "SAMPLER")]),
+    "ImageBatch": Sig("Batch Images", sockets=[("image1", "IMAGE", False), ("image2", "IMAGE", False)],
+                      outputs=[("IMAGE", "IMAGE")]),
 }
 UI_ONLY_WIDGETS = {("LoadImage", "upload")}  # a button; its value is saved in the UI form only
 SIGS = {**CORE, **{n.define_schema().node_id: our_sig(n) for n in NODES}}
@@ -234,8 +280,11 @@ def ui_problems(workflow: dict) -> list[str]:
             continue
         out_type, in_entry = outs[origin_slot].get("type"), ins[target_slot]
         target_sig = SIGS.get(nodes[target]["type"])
-        schema_type = target_sig and target_sig.sockets.get(in_entry.get("name"), (None,))[0]
-        if not (out_type == io_type == in_entry.get("type") == schema_type):
+        widget_types = {name: t for name, t, _ in target_sig.widgets} if target_sig else {}
+        schema_type = target_sig and target_sig.sockets.get(in_entry.get("name"),
+                                                            (widget_types.get(in_entry.get("name")),))[0]
+        takes_any = schema_type == "*" == in_entry.get("type")  # PreviewAny's source takes any type
+        if not (out_type == io_type and (takes_any or io_type == in_entry.get("type") == schema_type)):
             problems.append(f"{where}: types disagree: output {out_type}, link {io_type}, input "
                             f"{in_entry.get('name')} {in_entry.get('type')} (schema {schema_type})")
         if in_entry.get("link") != link_id or link_id not in (outs[origin_slot].get("links") or ()):
@@ -262,8 +311,14 @@ def api_problems(prompt: dict) -> list[str]:
         for name, rule in widgets.items():
             if name not in inputs:
                 problems.append(f"{where}: widget {name} has no value")
-            elif isinstance(inputs[name], list):
-                problems.append(f"{where}: widget {name} is linked; the examples keep widgets as values")
+            elif isinstance(inputs[name], list):  # a widget fed by a link (the enhanced prompt): a STRING link
+                value = inputs[name]
+                source = prompt.get(value[0]) if len(value) == 2 and isinstance(value[0], str) else None
+                source_sig = source and SIGS.get(source.get("class_type"))
+                widget_type = next(t for n, t, _ in sig.widgets if n == name)
+                if source_sig is None or not 0 <= value[1] < len(source_sig.outputs) \
+                        or source_sig.outputs[value[1]][1] != widget_type:
+                    problems.append(f"{where}: widget {name} is linked to {value!r}, not a {widget_type} output")
             else:
                 _check_value(f"{where}.{name}", rule, inputs[name], problems)
         for name, (io_type, optional) in sig.sockets.items():
@@ -282,7 +337,7 @@ def api_problems(prompt: dict) -> list[str]:
                 problems.append(f"{where}: input {name} links to missing node {value[0]}")
             elif not 0 <= value[1] < len(source_sig.outputs):
                 problems.append(f"{where}: input {name} links to slot {value[1]} of {source['class_type']}")
-            elif source_sig.outputs[value[1]][1] != io_type:
+            elif io_type != "*" and source_sig.outputs[value[1]][1] != io_type:
                 problems.append(f"{where}: input {name} ({io_type}) fed by {source_sig.outputs[value[1]][1]}")
     return problems
 
@@ -300,8 +355,10 @@ def pair_problems(workflow: dict, prompt: dict) -> list[str]:
             problems.append(f"{where}: API class_type {api['class_type']}")
             continue
         api_widgets = {k: v for k, v in api["inputs"].items() if not isinstance(v, list)}
-        if api_widgets != ui_widget_values(node):
-            problems.append(f"{where}: widget values differ: UI {ui_widget_values(node)} vs API {api_widgets}")
+        linked = {i["name"] for i in node["inputs"] if "widget" in i and i.get("link") is not None}
+        ui_values = {k: v for k, v in ui_widget_values(node).items() if k not in linked}
+        if api_widgets != ui_values:
+            problems.append(f"{where}: widget values differ: UI {ui_values} vs API {api_widgets}")
         title = node.get("title") or SIGS[node["type"]].display_name
         if api["_meta"].get("title") != title:
             problems.append(f"{where}: API title {api['_meta'].get('title')!r}, UI {title!r}")
@@ -350,7 +407,7 @@ def source_of(workflow: dict, node: dict, input_name: str) -> tuple[dict, int] |
 def test_the_examples_come_in_both_forms_in_their_folders():
     """UI files at the top of workflows/ (the folder ComfyUI's template browser lists: `<pack>/workflows/*.json`),
     API files in workflows/api/ (not listed: an API prompt would not load as a workflow)."""
-    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 11
+    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 17
     assert [p.stem for p in API_FILES] == NAMES
     assert all("nodes" in read(p) and "links" in read(p) for p in UI_FILES)
     assert all(all("class_type" in node for node in read(p).values()) for p in API_FILES)
@@ -402,6 +459,8 @@ def _chain_length(workflow, node) -> int:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prompts_name_only_references_in_their_chain(name):
+    if name in OFFICIAL:
+        pytest.skip("the official templates' prompts name no images")
     workflow = ui(name)
     for encode in nodes_of(workflow, "QI21TextEncode"):
         mentioned = {int(n) for n in re.findall(r"<image(\d+)>", ui_widget_values(encode)["prompt"])}
@@ -637,6 +696,7 @@ def test_the_validators_catch_api_and_ui_forms_that_disagree(breakage):
 # -- download hints ----------------------------------------------------------------------------------------------
 LOADER_FOLDERS = {"QI21ModelLoader": ("model_name", "diffusion_models"),
                   "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"), "QI21VAELoader": ("vae_name", "vae"),
+                  "QI21LoraLoader": ("lora_name", "loras"),
                   "QI21ControlNetLoader": ("control_net_name", "model_patches")}
 
 
@@ -646,9 +706,11 @@ def test_every_loader_says_where_to_download_its_file(name, models_root):
     carries `properties.models` naming the file it loads, a folder the loader reads, and the official repackage's
     URL for that file; the name is one the loader lists (the released names, as in the tiny model set)."""
     from qi21.nodes import controlnet, loaders
+    from qi21.nodes.lora import QI21LoraLoader
 
     classes = {"QI21ModelLoader": loaders.QI21ModelLoader, "QI21TextEncoderLoader": loaders.QI21TextEncoderLoader,
-               "QI21VAELoader": loaders.QI21VAELoader, "QI21ControlNetLoader": controlnet.QI21ControlNetLoader}
+               "QI21VAELoader": loaders.QI21VAELoader, "QI21LoraLoader": QI21LoraLoader,
+               "QI21ControlNetLoader": controlnet.QI21ControlNetLoader}
     checked = 0
     for node in ui(name)["nodes"]:
         if node["type"] not in LOADER_FOLDERS:
@@ -658,8 +720,9 @@ def test_every_loader_says_where_to_download_its_file(name, models_root):
                                "options")
         file_name = ui_widget_values(node)[widget]
         entries = node["properties"].get("models")
-        base = builder.PATCHES_URL if folder == "model_patches" else f"{builder.REPACKAGE_URL}/{folder}"
-        assert entries == [{"name": file_name, "url": f"{base}/{file_name}", "directory": folder}], node["type"]
-        assert file_name in listed and builder.REPACKAGE_URL.startswith("https://huggingface.co/Comfy-Org/")
+        expected = [{"name": file_name, "url": download_url(folder, file_name), "directory": folder}]
+        assert entries == expected, node["type"]
+        assert file_name in PUBLISHED[folder]
+        assert file_name in listed or name in OFFICIAL  # the tiny set holds the bf16 names only
         checked += 1
     assert checked >= 3

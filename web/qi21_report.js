@@ -3,10 +3,12 @@
 // Pure functions only (no DOM, no ComfyUI), so Node can unit-test them (tests/test_web_extension.py).
 // ComfyUI also loads this file as an extension because it sits in WEB_DIRECTORY; it has no side effects.
 //
-// The report is the `qi21_report` UI entry every sampler returns (nodes/samplers.py, model/sampling/loop.py): a list
-// with one dict per run, keys `prefix_tokens`, `target_tokens`, `batch`, `steps`, `cache` ("off", "miss" or
-// "hit"), `cache_bytes`, `cache_device`, `prefill_seconds`, `step_seconds` (mean cached step) and, when there is
-// something to say, `notes` (strings). Keys may be missing or null (e.g. no prefill on a cache hit, no cache
+// The report is the `qi21_report` UI entry every sampler returns (nodes/samplers.py, model/sampling/loop.py):
+// a list with one dict per run, keys `prefix_tokens`, `target_tokens`, `batch`, `steps`, `cache` ("off", "miss",
+// "partial" or "hit"), `cache_bytes`, `cache_device`, `prefill_seconds`, `step_seconds` (mean cached step),
+// `prefix_rows_reused` / `prefix_rows_computed` (rows taken from a kept cache or shared by the run's prompts, and
+// rows the prefill computed), `prefix_key` (content hash of the rows through the last reference) and, when there
+// is something to say, `notes` (strings). Keys may be missing or null (e.g. no prefill on a cache hit, no cache
 // device when the cache is off); keys this file does not know are still shown in the detail text.
 //
 // The phase comes from ComfyUI's `progress` event (value = steps done, max = steps): with the prefix cache on,
@@ -26,12 +28,14 @@ const CACHED_NOTE = "ComfyUI reused this node's earlier output (same inputs): th
 const CACHE_WORDS = {
   hit: "the prefix came from a kept cache: no prefill this run",
   miss: "step 1 computed the prefix and cached it; later steps reused it",
+  partial: "a kept cache held the prefix's leading rows (the references): step 1 computed only the rest",
   off: "no prefix cache: every step ran the whole sequence",
 };
 
 /** Keys the detail text describes itself; others are listed after them, as they come. */
 const KNOWN_KEYS = new Set(["cache", "prefix_tokens", "target_tokens", "batch", "steps", "cache_bytes", "cache_device",
-  "prefill_seconds", "step_seconds", "peak_bytes", "loras", "plan", "notes"]);
+  "prefill_seconds", "step_seconds", "peak_bytes", "loras", "plan", "notes", "prefix_rows_reused",
+  "prefix_rows_computed", "prefix_key"]);
 
 function isRecord(value) {
   return value !== null && typeof value === "object" && !Array.isArray(value);
@@ -79,12 +83,17 @@ export function reportNotes(report) {
 
 /**
  * The compact summary of one run, e.g. "cache hit · 4,171 prefix tokens · 2.0 GiB on cuda:0 · step 0.16 s";
- * a miss adds the prefill time before the step time. Missing keys leave their part out.
+ * a miss adds the prefill time before the step time; a partial reuse leads with "partial: 4,131 of 4,160 prefix
+ * rows reused". Missing keys leave their part out.
  */
 export function summarizeReport(report) {
   if (!isRecord(report)) return "no report";
   const parts = [];
-  if (typeof report.cache === "string" && report.cache) parts.push(`cache ${report.cache}`);
+  const reused = num(report.prefix_rows_reused);
+  const computed = num(report.prefix_rows_computed);
+  if (report.cache === "partial" && reused !== null && computed !== null) {
+    parts.push(`partial: ${formatCount(reused)} of ${formatCount(reused + computed)} prefix rows reused`);
+  } else if (typeof report.cache === "string" && report.cache) parts.push(`cache ${report.cache}`);
   const prefix = num(report.prefix_tokens);
   if (prefix !== null) parts.push(`${formatCount(prefix)} prefix tokens`);
   const bytes = num(report.cache_bytes);
@@ -128,6 +137,8 @@ export function reportDetail(report, { index = 1, count = 1 } = {}) {
     : "Qwen-Image 2.1 sampler: last run"];
   const add = (label, value) => lines.push(`${label}: ${value}`);
   if (typeof report.cache === "string") add("prefix cache", `${report.cache}${CACHE_WORDS[report.cache] ? ` (${CACHE_WORDS[report.cache]})` : ""}`);
+  const reusedRows = num(report.prefix_rows_reused);
+  const computedRows = num(report.prefix_rows_computed);
   if (num(report.prefix_tokens) !== null) add("prefix tokens", `${formatCount(report.prefix_tokens)} (prompt and references, all prompts)`);
   if (num(report.target_tokens) !== null) add("target tokens", `${formatCount(report.target_tokens)} per image`);
   if (num(report.batch) !== null) add("batch", report.batch === 1 ? "1 image" : `${plural(report.batch, "image")} sharing one cache`);
@@ -136,6 +147,10 @@ export function reportDetail(report, { index = 1, count = 1 } = {}) {
     add("cache size", report.cache_bytes > 0 ? `${formatBytes(report.cache_bytes)} (${formatCount(report.cache_bytes)} bytes)` : "none");
   }
   if ("cache_device" in report) add("cache device", report.cache_device ? String(report.cache_device) : "none");
+  if (reusedRows !== null && computedRows !== null && (reusedRows > 0 || report.cache === "partial")) {
+    add("prefix rows", `${formatCount(reusedRows)} reused, ${formatCount(computedRows)} computed in step 1`);
+  }
+  if (typeof report.prefix_key === "string") add("prefix key", report.prefix_key);
   if (num(report.prefill_seconds) !== null) add("prefill (step 1)", formatSeconds(report.prefill_seconds));
   if (num(report.step_seconds) !== null) add("mean step after the prefill", formatSeconds(report.step_seconds));
   if (num(report.peak_bytes) !== null) add("peak device memory", formatBytes(report.peak_bytes));

@@ -32,18 +32,34 @@ BASE_MODEL = "qwen_image_2.1_bf16.safetensors"
 TURBO_MODEL = "qwen_image_2.1_turbo_bf16.safetensors"
 TEXT_ENCODER = "qwen3vl_8b_bf16.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
-SPEED_LORA = "qwen_image_2.1_speed_lora.safetensors"  # an example name: the user picks their own speed LoRA
+#: Pruna's 8-step LoRA as Comfy-Org repackages it, and the 8 sigmas published with it for ComfyUI (ManualSigmas;
+#: a shift of 2 over 8 even steps: sigma = 2t / (1 + t)).
+SPEED_LORA = "p_q_image_2.1_8_steps_v0.1_comfyui_bf16.safetensors"
+SPEED_LORA_SIGMAS = "1.0, 0.9333333333, 0.8571428571, 0.7692307692, 0.6666666667, 0.5454545455, 0.4, 0.2222222222, 0.0"
+#: The Turbo weights extracted as a LoRA (Comfy-Org), for Base at Turbo's 8 stored sigmas.
+TURBO_LORA = "qwen_image_2.1_turbo_lora_avg_rank_178_bf16.safetensors"
+#: The files the official templates load: int8 ConvRot DiTs and text encoder, and the Qwen 3.5 prompt enhancers.
+INT8_MODEL = "qwen_image_2.1_int8_convrot.safetensors"
+INT8_TURBO_MODEL = "qwen_image_2.1_turbo_int8_convrot.safetensors"
+INT8_TEXT_ENCODER = "qwen3vl_8b_int8_convrot.safetensors"
+PE_T2I = "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors"
+PE_I2I = "qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot.safetensors"
 #: Where the front end offers to download a missing file (`properties.models`, as core templates do): the
-#: official ComfyUI repackage, Comfy-Org/Qwen-Image-2.1 on Hugging Face, in Comfy-Org's `split_files/<folder>/`
-#: layout. Keyed by loader node type: (widget holding the file name, models folder).
-REPACKAGE_URL = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main/split_files"
+#: official ComfyUI repackage, Comfy-Org/Qwen-Image-2.1 on Hugging Face, `<folder>/<file>` under this address.
+#: Keyed by loader node type: (widget holding the file name, models folder).
+REPACKAGE_URL = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main"
 MODEL_WIDGETS = {"QI21ModelLoader": ("model_name", "diffusion_models"),
                  "QI21TextEncoderLoader": ("text_encoder_name", "text_encoders"),
-                 "QI21VAELoader": ("vae_name", "vae")}
+                 "QI21VAELoader": ("vae_name", "vae"),
+                 "QI21LoraLoader": ("lora_name", "loras"),
+                 "CLIPLoader": ("clip_name", "text_encoders"),
+                 "QI21ControlNetLoader": ("control_net_name", "model_patches")}
 CONTROLNET = "qwen_image_2.1_fun_controlnet_union_bf16.safetensors"  # Comfy-Org's repack of alibaba-pai's net
-#: Model patches sit in their own folder of the same repository, not under split_files/.
-PATCHES_URL = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main/model_patches"
 RELEASED_FILES = frozenset({BASE_MODEL, TURBO_MODEL, TEXT_ENCODER, VAE_FILE, CONTROLNET})
+#: The official templates' prompt-enhancer system prompts (comfyui-workflow-templates-json 0.1.123, the settings of
+#: the prompt enhancer's release), kept verbatim as data: the enhancer model was released to be run with them.
+PE_SYSTEM_PROMPTS = {kind: (HERE / "prompt_enhancer" / f"system_prompt_{kind}.md").read_text(encoding="utf-8")
+                     for kind in ("t2i", "i2i")}
 #: The official wording for transparent output (the model's documentation): the description goes in the middle.
 RGBA_PROMPT = ("This is an RGBA image with transparency. {}. The image has alpha channel and the background is "
                "transparent.")
@@ -101,14 +117,40 @@ CORE_NODES = {spec.node_type: spec for spec in (
     NodeSpec("Canny", "Detect Edges (Canny)", sockets=(Port("image", "IMAGE"),),
              widgets=(Widget("low_threshold", "FLOAT", 0.4), Widget("high_threshold", "FLOAT", 0.8)),
              outputs=(Port("IMAGE", "IMAGE"),)),
+    # the prompt-enhancer step of the official templates (nodes.py CLIPLoader; comfy_extras: nodes_textgen.py
+    # TextGenerate as of ComfyUI 0.37, with `system_prompt` and `mtp`; nodes_logic.py ComfySwitchNode, whose
+    # match-type sockets the front end saves with the linked type; nodes_primitive.py; nodes_preview_any.py)
+    NodeSpec("CLIPLoader", "Load CLIP", widgets=(Widget("clip_name", "COMBO"), Widget("type", "COMBO"),
+                                                 Widget("device", "COMBO", "default", optional=True)),
+             outputs=(Port("CLIP", "CLIP"),)),
+    NodeSpec("TextGenerate", "Generate Text",
+             sockets=(Port("clip", "CLIP"), Port("image", "IMAGE", True), Port("video", "IMAGE", True),
+                      Port("audio", "AUDIO", True), Port("system_prompt", "STRING", True)),
+             widgets=(Widget("prompt", "STRING", ""), Widget("max_length", "INT", 512),
+                      Widget("sampling_mode", "COMBO", "on"), Widget("sampling_mode.temperature", "FLOAT", 0.7),
+                      Widget("sampling_mode.top_k", "INT", 64), Widget("sampling_mode.top_p", "FLOAT", 0.95),
+                      Widget("sampling_mode.min_p", "FLOAT", 0.05),
+                      Widget("sampling_mode.repetition_penalty", "FLOAT", 1.05),
+                      Widget("sampling_mode.seed", "INT", 0), Widget("sampling_mode.presence_penalty", "FLOAT", 0.0),
+                      Widget("thinking", "BOOLEAN", False, optional=True),
+                      Widget("use_default_template", "BOOLEAN", True, optional=True),
+                      Widget("mtp", "COMBO", "auto", optional=True)),
+             outputs=(Port("generated_text", "STRING"), Port("thinking", "STRING"))),
+    NodeSpec("ComfySwitchNode", "If/Else Switch", sockets=(Port("on_false", "STRING", True),
+                                                          Port("on_true", "STRING", True)),
+             widgets=(Widget("switch", "BOOLEAN", False),), outputs=(Port("output", "STRING"),)),
+    NodeSpec("PrimitiveStringMultiline", "Text (Multiline)", widgets=(Widget("value", "STRING", ""),),
+             outputs=(Port("STRING", "STRING"),)),
+    NodeSpec("PreviewAny", "Preview as Text", sockets=(Port("source", "*"),), outputs=(Port("STRING", "STRING"),)),
+    NodeSpec("KSamplerSelect", "KSamplerSelect", widgets=(Widget("sampler_name", "COMBO", "euler"),),
+             outputs=(Port("SAMPLER", "SAMPLER"),)),
+    NodeSpec("ImageBatch", "Batch Images", sockets=(Port("image1", "IMAGE"), Port("image2", "IMAGE")),
+             outputs=(Port("IMAGE", "IMAGE"),)),
 )}
 
 
 def model_downloads(node: "Node") -> list[dict]:
     """The front end's `properties.models` of a loader node: the file, its download URL and folder."""
-    if node.spec.node_type == "QI21ControlNetLoader":
-        name = node.values["control_net_name"]
-        return [{"name": name, "url": f"{PATCHES_URL}/{name}", "directory": "model_patches"}]
     if node.spec.node_type not in MODEL_WIDGETS:
         return []
     widget, folder = MODEL_WIDGETS[node.spec.node_type]
@@ -206,13 +248,15 @@ class Graph:
         return self.add("MarkdownNote", pos, size, text=text.strip() + "\n")
 
     def link(self, origin: Node, output: str, target: Node, socket: str) -> None:
+        """Link an output to a socket, or to a widget's socket (the widget's value then comes from the link)."""
         slots = [i for i, p in enumerate(origin.spec.outputs) if p.name == output]
         ports = {p.name: p for p in target.spec.sockets}
+        ports |= {w.name: w for w in target.spec.widgets if target.spec.widget_sockets and w.in_api}
         if len(slots) != 1 or socket not in ports or socket in target.inputs:
             raise ValueError(f"{self.name}: cannot link {origin.spec.node_type}.{output} -> "
                              f"{target.spec.node_type}.{socket}")
         out_type, in_type = origin.spec.outputs[slots[0]].io_type, ports[socket].io_type
-        if out_type != in_type:
+        if in_type not in ("*", out_type):  # "*": a socket that takes any type (PreviewAny)
             raise TypeError(f"{self.name}: {out_type} output into {in_type} input {target.spec.node_type}.{socket}")
         link = Link(len(self.links) + 1, origin, slots[0], target, socket, out_type)
         self.links.append(link)
@@ -291,11 +335,11 @@ class Graph:
         for node in self.nodes:
             if not node.spec.in_api:
                 continue
-            inputs = {w.name: node.values[w.name] for w in node.spec.widgets if w.in_api}
-            for port in node.spec.sockets:
-                if port.name in node.inputs:
-                    link = by_id[node.inputs[port.name]]
-                    inputs[port.name] = [str(link.origin.id), link.origin_slot]
+            inputs = {w.name: node.values[w.name] for w in node.spec.widgets if w.in_api and w.name not in node.inputs}
+            for name in [p.name for p in node.spec.sockets] + [w.name for w in node.spec.widgets]:
+                if name in node.inputs:
+                    link = by_id[node.inputs[name]]
+                    inputs[name] = [str(link.origin.id), link.origin_slot]
             prompt[str(node.id)] = {"inputs": inputs, "class_type": node.spec.node_type,
                                     "_meta": {"title": node.title or node.spec.display_name}}
         return prompt
@@ -445,16 +489,39 @@ def base_speed_lora(g: Graph) -> None:
     g.link(model, "model", lora, "model")
     positive = _prompt(g, encoder, "A lighthouse on a rocky coast under a stormy sky, waves breaking, dramatic "
                                    "light, detailed photograph.")
+    sigmas = g.add("ManualSigmas", (420, 540), (420, 90), sigmas=SPEED_LORA_SIGMAS)
     sampler = _sampler(g, "QI21Sampler", lora, positive, steps=8, cfg=1.0, width=1024, height=1024)
+    g.link(sigmas, "SIGMAS", sampler, "sigmas")
     _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/base_speed_lora")
     g.note("""
 ## Qwen-Image 2.1 Base + speed LoRA
 
 *LoRA* sits between the model loader and the sampler: it returns the model with the LoRA, and leaves the
-loaded model as it was (no second copy of the weights). A speed (few-step) LoRA lets Base run in **8 steps,
-cfg 1**; use the steps its card gives. Put your LoRA in `models/loras` and pick it in the node
-(`qwen_image_2.1_speed_lora.safetensors` is a placeholder name). Chain more *LoRA* nodes to stack LoRAs; the
-sampler's report lists each with its strength.
+loaded model as it was (no second copy of the weights). Pruna's 8-step LoRA
+(`p_q_image_2.1_8_steps_v0.1_comfyui_bf16.safetensors`, Comfy-Org's repackage, in `models/loras`) runs Base in
+**8 steps, cfg 1, strength 1**, on the 8 sigmas published with it (*ManualSigmas*: a shift of 2 over 8 even
+steps). Its 5- and 6-step siblings work the same way with their own sigmas. Chain more *LoRA* nodes to stack
+LoRAs; the sampler's report lists each with its strength.
+""", (0, 660), (420, 300))
+
+
+def base_turbo_lora(g: Graph) -> None:
+    model, encoder, vae = _loaders(g, BASE_MODEL)
+    lora = g.add("QI21LoraLoader", (420, 380), (420, 110), lora_name=TURBO_LORA, strength=1.0)
+    g.link(model, "model", lora, "model")
+    positive = _prompt(g, encoder, "A street market at dusk, paper lanterns, steam rising from food stalls, "
+                                   "cinematic photograph.")
+    sigmas = g.add("QI21Sigmas", (420, 540), (420, 170), schedule="turbo", steps=8, width=1024, height=1024)
+    sampler = _sampler(g, "QI21Sampler", lora, positive, steps=8, cfg=1.0, width=1024, height=1024)
+    g.link(sigmas, "SIGMAS", sampler, "sigmas")
+    _save(g, _decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/base_turbo_lora")
+    g.note("""
+## Qwen-Image 2.1 Base + official Turbo LoRA
+
+Comfy-Org's `qwen_image_2.1_turbo_lora_avg_rank_178_bf16.safetensors` (in `models/loras`) is the Turbo model
+extracted as a LoRA of Base: low-rank pairs plus full patches (`.diff`) of the norms, applied as ComfyUI applies
+them. Base + this LoRA samples on Turbo's **8 stored sigmas** (*Schedule* set to turbo), cfg 1, so one Base file
+serves both. The Turbo file itself is exact; the LoRA is its rank-reduced copy.
 """, (0, 660), (420, 280))
 
 
@@ -573,6 +640,185 @@ regenerate) and the image go to *Apply Fun ControlNet*'s `mask` and `inpaint_ima
 area to fit the rest, from the prompt. Set width and height to your image's size (the image and the mask are
 stretched to it). Connect a `control_image` as well (e.g. canny of the original) to steer the new content.
 """, (0, 800), (400, 300))
+# -- the official Qwen-Image 2.1 templates, rebuilt from our nodes ------------------------------------------------
+# comfyui-workflow-templates-json 0.1.123: image_qwen_image_2_1_{t2i, image_edit, background_removal, turbo_t2i,
+# turbo_image_edit}. Same files (int8 ConvRot DiT and text encoder), sampler, steps, cfg and Turbo sigmas; the prompt
+# enhancer as there: core CLIPLoader (the Qwen 3.5 PE file) -> TextGenerate with the release's system prompt,
+# behind an on/off switch (off by default), its text shown by PreviewAny and fed to our Text Encode.
+TURBO_SIGMAS_TEXT = "1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568, 0"
+PE_SAMPLING = {"t2i": 1.5, "i2i": 0.0}  # presence_penalty; otherwise the same sampling settings in both
+
+
+def _template_loaders(g: Graph, model_file: str) -> tuple[Node, Node, Node]:
+    model = g.add("QI21ModelLoader", (0, 120), (340, 130), model_name=model_file)
+    encoder = g.add("QI21TextEncoderLoader", (0, 300), (340, 130), text_encoder_name=INT8_TEXT_ENCODER)
+    vae = g.add("QI21VAELoader", (0, 480), (340, 110), vae_name=VAE_FILE)
+    return model, encoder, vae
+
+
+def _prompt_enhancer(g: Graph, kind: str, text: str, pos, images: Node = None) -> Node:
+    """Prompt -> (switch off: as typed | on: rewritten by the PE model) -> PreviewAny, whose STRING is the prompt."""
+    x, y = pos
+    prompt = g.add("PrimitiveStringMultiline", (x, y), (420, 220), title="Prompt", value=text)
+    system = g.add("PrimitiveStringMultiline", (x, y + 260), (420, 220), title="Text (System Prompt)",
+                   value=PE_SYSTEM_PROMPTS[kind])
+    clip = g.add("CLIPLoader", (x, y + 520), (420, 110), clip_name=PE_T2I if kind == "t2i" else PE_I2I,
+                 type="stable_diffusion" if kind == "t2i" else "qwen_image")
+    generate = g.add("TextGenerate", (x + 460, y + 260), (400, 460), max_length=4096, sampling_mode="on",
+                     thinking=False, **{"sampling_mode.temperature": 1.0, "sampling_mode.top_k": 20,
+                                        "sampling_mode.top_p": 0.95, "sampling_mode.min_p": 0.0,
+                                        "sampling_mode.repetition_penalty": 1.0, "sampling_mode.seed": 0,
+                                        "sampling_mode.presence_penalty": PE_SAMPLING[kind]})
+    switch = g.add("ComfySwitchNode", (x + 460, y), (300, 90), title="Prompt enhancer (true = on)", switch=False)
+    preview = g.add("PreviewAny", (x + 460, y + 120), (400, 100), title="Prompt used")
+    g.link(clip, "CLIP", generate, "clip")
+    g.link(system, "STRING", generate, "system_prompt")
+    g.link(prompt, "STRING", generate, "prompt")
+    if images is not None:
+        g.link(images, "IMAGE", generate, "image")
+    g.link(prompt, "STRING", switch, "on_false")
+    g.link(generate, "generated_text", switch, "on_true")
+    g.link(switch, "output", preview, "source")
+    return preview
+
+
+def _enhanced_prompt(g: Graph, encoder: Node, enhancer: Node, text: str, references: Node = None) -> Node:
+    node = _prompt(g, encoder, text, pos=(1340, 120), references=references)
+    g.link(enhancer, "STRING", node, "prompt")
+    return node
+
+
+def _select_sampler(g: Graph, sampler: Node, pos) -> None:
+    select = g.add("KSamplerSelect", pos, (320, 60), sampler_name="euler")
+    g.link(select, "SAMPLER", sampler, "sampler")
+
+
+def _turbo_sigmas(g: Graph, sampler: Node, pos) -> None:
+    sigmas = g.add("ManualSigmas", pos, (420, 90), sigmas=TURBO_SIGMAS_TEXT)
+    g.link(sigmas, "SIGMAS", sampler, "sigmas")
+
+
+def _template_reference(g: Graph, vae: Node, image_file: str, index: int, pos, previous: Node = None):
+    x, y = pos
+    image = g.add("LoadImage", (x, y), (320, 360), title=f"Load Image (<image{index}>)", image=image_file)
+    reference = g.add("QI21Reference", (x + 360, y), (320, 150), title=f"Reference <image{index}>", resolution=0)
+    g.link(vae, "vae", reference, "vae")
+    g.link(image, "IMAGE", reference, "image")
+    g.link(image, "MASK", reference, "mask")
+    if previous is not None:
+        g.link(previous, "references", reference, "references")
+    return image, reference
+
+
+TEMPLATE_NOTE = """
+## Qwen-Image 2.1 {title}: the official template, with this pack's nodes
+
+The same job as core's `image_qwen_image_2_1_{template}` template, with the same files ({files}), {settings}.
+**Prompt enhancer**: set the switch to true to rewrite the prompt with the Qwen 3.5 prompt enhancer
+(`{pe}` in `models/text_encoders`, ComfyUI >= 0.37.2) before the image model sees it; *Prompt used* shows the text.
+
+What ours does differently: {difference} The prompt and references are computed once and cached (`prefix_cache`);
+the report on the sampler shows the cache and timings.
+"""
+BASE_DIFFERENCE = ("the Base schedule is the official one (dynamic shift from the image size, last sigma 0.02) where "
+                   "the template's `simple` scheduler uses core's fixed shift; for the template's exact sigmas, feed "
+                   "*Qwen-Image 2.1 Schedule* with scheduler `simple` into `sigmas`.")
+
+
+def official_t2i(g: Graph) -> None:
+    model, encoder, vae = _template_loaders(g, INT8_MODEL)
+    enhancer = _prompt_enhancer(g, "t2i", "A greyscale fashion editorial portrait of a woman in profile wearing "
+                                "oversized round black sunglasses, high-contrast studio light, against a vivid lime "
+                                "green pop-art collage background.", (420, 660))
+    positive = _enhanced_prompt(g, encoder, enhancer, "")
+    sampler = _sampler(g, "QI21Sampler", model, positive, pos=(1340, 400), steps=25, cfg=1.0, width=1024,
+                       height=1024)
+    _select_sampler(g, sampler, (1340, 780))
+    _save(g, _decode(g, vae, sampler, pos=(1720, 120)), "IMAGE", "qwen-image-2.1/official_t2i", pos=(2020, 120))
+    g.note(TEMPLATE_NOTE.format(title="text to image", template="t2i", files=f"`{INT8_MODEL}`, `{INT8_TEXT_ENCODER}`",
+                                settings="25 steps, cfg 1, euler (KSamplerSelect into `sampler`), 1024 x 1024",
+                                pe=PE_T2I, difference=BASE_DIFFERENCE), (0, 660), (400, 420))
+
+
+def official_image_edit(g: Graph) -> None:
+    model, encoder, vae = _template_loaders(g, INT8_MODEL)
+    first_image, first = _template_reference(g, vae, "portrait_model_denim.png", 1, (420, 1500))
+    second_image, second = _template_reference(g, vae, "clothing_light_blue_denim_shirt.png", 2, (420, 1900),
+                                               previous=first)
+    images = g.add("ImageBatch", (1140, 1500), (260, 80))
+    g.link(first_image, "IMAGE", images, "image1")
+    g.link(second_image, "IMAGE", images, "image2")
+    enhancer = _prompt_enhancer(g, "i2i", "Replace costumes for the character", (420, 660), images=images)
+    positive = _enhanced_prompt(g, encoder, enhancer, "", references=second)
+    sampler = _sampler(g, "QI21Sampler", model, positive, pos=(1340, 400), steps=25, cfg=1.0, width=0, height=0)
+    _select_sampler(g, sampler, (1340, 780))
+    _save(g, _decode(g, vae, sampler, pos=(1720, 120)), "IMAGE", "qwen-image-2.1/official_image_edit",
+          pos=(2020, 120))
+    g.note(TEMPLATE_NOTE.format(
+        title="image edit", template="image_edit", files=f"`{INT8_MODEL}`, `{INT8_TEXT_ENCODER}`",
+        settings="25 steps, cfg 1, euler, references at their own size (resolution 0)", pe=PE_I2I,
+        difference=BASE_DIFFERENCE + " The output follows the last reference's size (width/height 0); the prompt "
+                   "enhancer sees the images as one batch (core Batch Images, resized to the first)."),
+        (0, 660), (400, 460))
+
+
+def official_background_removal(g: Graph) -> None:
+    model, encoder, vae = _template_loaders(g, INT8_MODEL)
+    _, reference = _template_reference(g, vae, "angry_broccoli.png", 1, (420, 660))
+    positive = _prompt(g, encoder, "Remove the background, and output a PNG image", references=reference)
+    sampler = _sampler(g, "QI21Sampler", model, positive, steps=25, cfg=1.0, width=0, height=0)
+    _select_sampler(g, sampler, (900, 500))
+    decode = _decode(g, vae, sampler)
+    _save(g, decode, "RGBA", "qwen-image-2.1/official_background_removal")
+    g.note(f"""
+## Qwen-Image 2.1 background removal: the official template, with this pack's nodes
+
+The same job as core's `image_qwen_image_2_1_background_removal` template, with the same files (`{INT8_MODEL}`,
+`{INT8_TEXT_ENCODER}`), prompt and settings (25 steps, cfg 1, euler, the image at its own size). *VAE Decode*'s
+`RGBA` output goes to *Save Image*: a PNG with the alpha channel the model generates.
+
+What ours does differently: {BASE_DIFFERENCE} The image is computed once and cached (`prefix_cache`).
+""", (0, 1100), (400, 360))
+
+
+def official_turbo_t2i(g: Graph) -> None:
+    model, encoder, vae = _template_loaders(g, INT8_TURBO_MODEL)
+    enhancer = _prompt_enhancer(g, "t2i", "An underground techno event poster: black background, the two-line "
+                                "headline \"QWEN IMAGE\" / \"2.1 TURBO\" in heavy white capitals, black-and-white "
+                                "halftone portraits, fluorescent orange accents, risograph texture.", (420, 660))
+    positive = _enhanced_prompt(g, encoder, enhancer, "")
+    sampler = _sampler(g, "QI21TurboSampler", model, positive, pos=(1340, 400), width=1024, height=1024)
+    _select_sampler(g, sampler, (1340, 720))
+    _turbo_sigmas(g, sampler, (1340, 820))
+    _save(g, _decode(g, vae, sampler, pos=(1720, 120)), "IMAGE", "qwen-image-2.1/official_turbo_t2i",
+          pos=(2020, 120))
+    g.note(TEMPLATE_NOTE.format(
+        title="Turbo text to image", template="turbo_t2i", files=f"`{INT8_TURBO_MODEL}`, `{INT8_TEXT_ENCODER}`",
+        settings="the stored 8 sigmas (ManualSigmas), euler, no CFG, 1024 x 1024", pe=PE_T2I,
+        difference="the Turbo sampler replaces SamplerCustomAdvanced + RandomNoise + CFGGuider (cfg 1: no guidance)."),
+        (0, 660), (400, 420))
+
+
+def official_turbo_image_edit(g: Graph) -> None:
+    model, encoder, vae = _template_loaders(g, INT8_TURBO_MODEL)
+    image, reference = _template_reference(g, vae, "ballet_dancer_photography_minimalist_architecture.png", 1,
+                                           (420, 1500))
+    enhancer = _prompt_enhancer(g, "i2i", "Relight the scene as a clear moonlit night with a full moon in the sky "
+                                "seen through the oculus; soft blue-silver moonlight on the stone platform and a long "
+                                "soft shadow of the dancer. Keep her pose, the architecture and the framing.",
+                                (420, 660), images=image)
+    positive = _enhanced_prompt(g, encoder, enhancer, "", references=reference)
+    sampler = _sampler(g, "QI21TurboSampler", model, positive, pos=(1340, 400), width=0, height=0)
+    _select_sampler(g, sampler, (1340, 720))
+    _turbo_sigmas(g, sampler, (1340, 820))
+    _save(g, _decode(g, vae, sampler, pos=(1720, 120)), "IMAGE", "qwen-image-2.1/official_turbo_image_edit",
+          pos=(2020, 120))
+    g.note(TEMPLATE_NOTE.format(
+        title="Turbo image edit", template="turbo_image_edit", files=f"`{INT8_TURBO_MODEL}`, `{INT8_TEXT_ENCODER}`",
+        settings="the stored 8 sigmas, euler, cfg 1, the image at its own size", pe=PE_I2I,
+        difference="the Turbo sampler replaces SamplerCustomAdvanced + RandomNoise + CFGGuider (cfg 1: no guidance); "
+                   "the output follows the reference's size."),
+        (0, 660), (400, 420))
 
 
 WORKFLOWS = {
@@ -582,11 +828,17 @@ WORKFLOWS = {
     "edit_three_references": edit_three_references,
     "transparent_rgba_png": transparent_rgba_png,
     "base_speed_lora": base_speed_lora,
+    "base_turbo_lora": base_turbo_lora,
     "img2img": img2img,
     "inpaint_with_a_mask": inpaint_with_a_mask,
     "manual_schedule": manual_schedule,
     "controlnet_canny": controlnet_canny,
     "controlnet_inpaint": controlnet_inpaint,
+    "official_t2i": official_t2i,
+    "official_image_edit": official_image_edit,
+    "official_background_removal": official_background_removal,
+    "official_turbo_t2i": official_turbo_t2i,
+    "official_turbo_image_edit": official_turbo_image_edit,
 }
 
 

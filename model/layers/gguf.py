@@ -26,6 +26,13 @@ QUANT_TYPES = {
     "Q6_K": (256, 210), "Q5_K": (256, 176), "Q4_K": (256, 144), "Q3_K": (256, 110), "Q2_K": (256, 84),
 }
 SUPPORTED_TYPES = (*FLOAT_TYPES, *QUANT_TYPES)
+#: Where each quantized type keeps its fp16 block scales: byte offsets of `d` (and of `m` / `dmin` where it has one,
+#: always right after it), as llama.cpp's `block_q*` structs lay them out. The K-quants' 4- and 6-bit sub-scales are
+#: integers and cannot be NaN.
+SCALE_OFFSETS = {
+    "Q8_0": (0,), "Q5_1": (0, 2), "Q5_0": (0,), "Q4_1": (0, 2), "Q4_0": (0,),
+    "Q6_K": (208,), "Q5_K": (0, 2), "Q4_K": (0, 2), "Q3_K": (108,), "Q2_K": (80, 82),
+}
 
 
 # -- helpers --------------------------------------------------------------------------------------------------------
@@ -138,6 +145,13 @@ def _q6_k(b):
 
 _KERNELS = {"Q8_0": _q8_0, "Q5_1": _q5_1, "Q5_0": _q5_0, "Q4_1": _q4_1, "Q4_0": _q4_0,
             "Q6_K": _q6_k, "Q5_K": _q5_k, "Q4_K": _q4_k, "Q3_K": _q3_k, "Q2_K": _q2_k}
+
+
+def block_scales(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
+    """The fp16 scales of `(n, type_size)` uint8 blocks as an `(n, 1 or 2)` view (no copy): what a finiteness check
+    of a quantized tensor needs to read (a NaN anywhere else in a block is impossible: the rest are integers)."""
+    first, last = SCALE_OFFSETS[qtype][0], SCALE_OFFSETS[qtype][-1]
+    return blocks.view(torch.float16)[:, first // 2 : last // 2 + 1]
 
 
 def dequantize_blocks(qtype: str, blocks: torch.Tensor) -> torch.Tensor:

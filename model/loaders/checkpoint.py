@@ -15,7 +15,7 @@ from pathlib import Path
 import safetensors
 import torch
 
-from .safetensors_io import CheckpointError, TensorInfo, parse_json_object, read_header
+from .safetensors_io import CheckpointError, TensorInfo, parse_json_object, read_header, shown
 
 __all__ = [  # the header-level names are re-exported so loaders import their plumbing from one place
     "FILE_DTYPES",
@@ -38,6 +38,7 @@ __all__ = [  # the header-level names are re-exported so loaders import their pl
     "read_shard_index",
     "read_weight_headers",
     "rename_keys",
+    "shown",
 ]
 
 # config.json, model_index.json and shard indexes are kilobytes (a 100-shard index a few hundred); a file far
@@ -279,7 +280,8 @@ def rename_keys(keys, rename, where: str) -> dict[str, str]:
         if name is None:
             continue
         if name in names:
-            raise CheckpointError(f"{where}: both {names[name]!r} and {key!r} map to {name!r}; mixed key layouts.")
+            raise CheckpointError(f"{where}: both {shown(names[name])} and {shown(key)} map to "
+                                  f"{shown(name)}; mixed key layouts.")
         names[name] = key
     return names
 
@@ -342,7 +344,7 @@ def identify_checkpoint(keys) -> str:
         return "a Stable Diffusion UNet"
     if _has(keys, "lora_", ".lora.", "lora_A", "lora_down"):
         return "a LoRA"
-    sample = ", ".join(sorted(keys)[:4])
+    sample = ", ".join(shown(key, 60) for key in sorted(keys)[:4])
     return f"an unrecognised checkpoint ({len(keys)} tensors, e.g. {sample})"
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ..layers.formats import GEMM_MODES
+from ..layers.kitchen import QuantLinear, set_gemm
 from ..transformer.dit import DiTConfig, QwenImage21DiT
 from .checkpoint import (
     FILE_DTYPES,
@@ -123,12 +125,18 @@ def is_gguf(path) -> bool:
         return False
 
 
-def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str = "auto") -> QwenImage21DiT:
+def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str = "auto",
+             quantized_gemm: str = "auto") -> QwenImage21DiT:
     """Load a Qwen-Image 2.1 DiT file or diffusers folder; `model.source` says what was loaded.
 
     `weight_dtype`: "default" (the file's float type), "bf16", "fp16", "fp32", "fp8_e4m3fn" (block weights
     stored in fp8, computed in bf16) or a torch dtype. A GGUF file goes to `gguf.load_gguf_dit`.
+    `quantized_gemm` ("auto", "kernel", "dequantize"): how a quantized file's layers multiply (layers/formats.py
+    `gemm_mode`; "auto": int8 kernels on CUDA, dequantized per layer on a CPU or MPS); `layers.kitchen.set_gemm`
+    changes it later.
     """
+    if quantized_gemm not in GEMM_MODES:
+        raise ValueError(f"quantized_gemm must be one of {', '.join(GEMM_MODES)}, got {quantized_gemm!r}.")
     if is_gguf(path):
         from .gguf import load_gguf_dit  # imports the gguf package, needed only for GGUF files
 
@@ -172,6 +180,7 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     except BaseException:
         del model  # nothing half-loaded stays alive, also on KeyboardInterrupt
         raise
+    set_gemm(model, quantized_gemm)
     model.compute_dtype = compute
     model.source = source
     return model.eval()
@@ -181,17 +190,11 @@ def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute,
           quant=None) -> None:
     """Each parameter built in memory of its own and filled part by part (the file's views are only copied from).
 
-    A quantized file's layers become `quantized.QuantLinear`s (one segment per file tensor, kept in the file's
-    formats). fp8_e4m3fn on a float file runs through the same fp8 Linear when comfy-kitchen is installed, else
-    the plain fp8 weight (upcast per GEMM)."""
+    A quantized file's layers become `kitchen.QuantLinear`s (one segment per file tensor, kept in the file's
+    formats). fp8_e4m3fn on a float file makes the same fp8 `QuantLinear` as an fp8 file's layers (without a
+    scale; plain torch, comfy-kitchen not needed)."""
     if quant is not None:
         quant.check_targets(model, plan)  # before any weight is read
-    fp8_linear = None
-    if fp8:
-        from ..layers.kitchen import QuantLinear
-        from .kitchen import kitchen_installed
-
-        fp8_linear = QuantLinear.from_fp8 if kitchen_installed() else None
     for name, keys in plan.items():
         if quant is not None and quant.fill_linear(model, name, keys, lambda key: reader.read(file_keys[key]),
                                                    compute, device):
@@ -208,8 +211,8 @@ def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute,
             target[row : row + part.shape[0]].copy_(part)
             row += part.shape[0]
             del part
-        if dtype == torch.float8_e4m3fn and fp8_linear is not None:
+        if dtype == torch.float8_e4m3fn:
             parent, _, leaf = module_name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, fp8_linear(target, compute))
+            setattr(model.get_submodule(parent), leaf, QuantLinear.from_fp8(target, compute))
         else:
             setattr(module, attr, torch.nn.Parameter(target, requires_grad=False))

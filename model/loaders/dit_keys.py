@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..transformer.dit import DiTConfig, QwenImage21DiT
-from .checkpoint import CheckpointError, TensorInfo, count_indexed, identify_checkpoint, infos_of
+from .checkpoint import CheckpointError, TensorInfo, count_indexed, identify_checkpoint, infos_of, shown
 
 COMFY_PREFIX = "model.diffusion_model."
 DETECT_KEYS = ("txt_in.text_norm.weight", "modulation.1.weight", "transformer_blocks.0.attn.norm_q.weight",
@@ -83,6 +83,9 @@ def infer_config(tensors: dict[str, TensorInfo], where: str = "checkpoint") -> D
             + ". Put Qwen-Image 2.1 transformer files (qwen_image_2.1_bf16.safetensors or a diffusers "
             "Qwen-Image-2.1 folder) in models/diffusion_models."
         )
+    # the shapes read below, by rank (a 5-D or 0-D img_in must be named, not fail to unpack)
+    check_ranks(tensors, {key: (1 if key.endswith("norm.weight") or key.endswith("norm_q.weight") else 2)
+                          for key in (*DETECT_KEYS, *mlp_keys) if key in tensors}, where)
     head_dim = tensors["transformer_blocks.0.attn.norm_q.weight"].shape[0]
     width, in_channels = tensors["img_in.weight"].shape
     layers = count_indexed(tensors, r"transformer_blocks\.(\d+)\.")
@@ -90,7 +93,7 @@ def infer_config(tensors: dict[str, TensorInfo], where: str = "checkpoint") -> D
         hidden = tensors["transformer_blocks.0.img_mlp.gate_up.weight"].shape[0] // 2
     else:
         hidden = tensors["transformer_blocks.0.img_mlp.proj.weight"].shape[0]
-    if width % head_dim or hidden % width or head_dim % 32:
+    if min(width, head_dim, hidden) <= 0 or width % head_dim or hidden % width or head_dim % 32:
         raise CheckpointError(
             f"{where}: width {width}, head size {head_dim} and MLP size {hidden} do not fit together."
         )
@@ -117,6 +120,17 @@ def variant_from_name(path: Path) -> tuple[str, str]:
     return "unknown", "nothing in the files says"
 
 
+def check_ranks(tensors: dict[str, TensorInfo], ranks: dict[str, int], where: str) -> None:
+    """Refuse a tensor whose number of dimensions is not `ranks[key]`, before anything unpacks its shape."""
+    for key, rank in ranks.items():
+        shape = tuple(tensors[key].shape)
+        if len(shape) != rank:
+            raise CheckpointError(
+                f"{where}: {shown(key)} has {len(shape)} dimensions {list(shape)[:8]}; in a Qwen-Image 2.1 DiT it has "
+                f"{rank}. The file is damaged or from another model; download it again."
+            )
+
+
 def check_shapes(plan, tensors, config: DiTConfig, where: str) -> None:
     needed = {key for keys in plan.values() for key in keys}
     missing = sorted(needed - tensors.keys())
@@ -129,10 +143,12 @@ def check_shapes(plan, tensors, config: DiTConfig, where: str) -> None:
     if unexpected:
         raise CheckpointError(
             f"{where}: {len(unexpected)} tensors that a Qwen-Image 2.1 DiT does not have "
-            f"(e.g. {', '.join(unexpected[:3])}); this is not a plain Qwen-Image 2.1 transformer."
+            f"(e.g. {', '.join(shown(key, 60) for key in unexpected[:3])}); this is not a plain Qwen-Image 2.1 "
+            "transformer."
         )
     with torch.device("meta"):
         reference = QwenImage21DiT(config).state_dict()
+    check_ranks(tensors, {key: reference[name].dim() for name, keys in plan.items() for key in keys}, where)
     for name, keys in plan.items():
         rows = sum(tensors[k].shape[0] for k in keys)
         expected = tuple(reference[name].shape)

@@ -4,8 +4,10 @@ The file's header and tensor table are read with the `gguf` package's `GGUFReade
 only when a GGUF file is loaded), which memory-maps the file. What the file is follows from its table alone,
 with the safetensors loader's own rules (`dit_keys.py`): the key plan (ComfyUI names, fused `img_mlp.gate_up`,
 with or without `model.diffusion_model.`), the config inferred from shapes, Base vs Turbo from the file name.
-A file of another architecture, a tensor type we cannot dequantize or a truncated file is refused before any
-weight is allocated.
+The file's structure is pre-scanned with bounds first (`gguf_scan.py`: metadata sizes, tensor layout, truncation),
+so no file can make the package's reader walk gigabytes of metadata. A file of another architecture, a tensor
+type we cannot dequantize or a truncated file is refused before any weight is allocated; NaN/inf in a tensor or a
+block scale is refused as it is read (`finite.py`).
 
 Then each tensor is copied out of the mapping into memory the model owns, one at a time (a file replaced or cut
 while ComfyUI runs cannot crash the process), and the mapping is dropped. 2-D weights stay in their GGUF types
@@ -18,11 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..layers.gguf import FLOAT_TYPES, QUANT_TYPES, SUPPORTED_TYPES, GGUFLinear, dequantize
+from ..layers.gguf import FLOAT_TYPES, QUANT_TYPES, SUPPORTED_TYPES, GGUFLinear, block_scales, dequantize
 from ..layers.linear import Linear
 from ..transformer.dit import QwenImage21DiT
-from .checkpoint import CheckpointError, TensorInfo, choose_dtype, rename_keys
+from .checkpoint import CheckpointError, TensorInfo, choose_dtype, rename_keys, shown
 from .dit_keys import DiTSource, check_shapes, file_plan, infer_config, strip_prefix, variant_from_name
+from .finite import check_finite
+from .gguf_scan import GGUFScanError, scan_gguf
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ORIG_SHAPE_KEY = "comfy.gguf.orig_shape."  # + tensor name: its shape before ComfyUI-GGUF flattened it to rows of 256
@@ -39,12 +43,6 @@ _PUT_HERE = ("Put Qwen-Image 2.1 DiT files (qwen_image_2.1_bf16.safetensors, or 
 _REDOWNLOAD = "The file is damaged or was written by a broken tool; download it again."
 
 
-class _Truncated(Exception):
-    def __init__(self, needed: int, size: int):
-        super().__init__(needed, size)
-        self.needed, self.size = needed, size
-
-
 def _import_gguf(where: str):
     try:
         import gguf
@@ -56,50 +54,33 @@ def _import_gguf(where: str):
     return gguf
 
 
-def _reader_class(gguf):
-    """`GGUFReader` that checks the tensor table against the file size before it maps the tensors, so a cut file
-    is reported as such (the plain reader stops with a numpy reshape error)."""
-
-    class Reader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs, fields):
-            needed = 0
-            try:
-                for field in fields:  # parts: name length, name, n_dims, dims, type, offset (the format's order)
-                    dims, raw_type, offset = field.parts[3], int(field.parts[4][0]), int(field.parts[5][0])
-                    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_type)]
-                    needed = max(needed, int(start_offs) + offset + int(np.prod(dims, dtype=np.int64)) // block * size)
-            except (IndexError, KeyError, TypeError, ValueError):
-                needed = 0  # an unknown type or another table layout: the reader itself reports it below
-            if needed > len(self.data):
-                raise _Truncated(needed, len(self.data))
-            return super()._build_tensors(start_offs, fields)
-
-    return Reader
-
-
 def _open(gguf, path: Path):
+    """The gguf package's reader over `path`, after the bounded pre-scan (gguf_scan.py) has checked the header, the
+    metadata sizes and the tensor layout, so the package's reader never walks a metadata bomb or reads past the end."""
     where = path.name
     try:
         size = path.stat().st_size
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot read this file ({error.strerror or error}).") from None
-    try:
         with open(path, "rb") as handle:
             magic = handle.read(4)
-        if magic != b"GGUF":
-            raise CheckpointError(f"{where} is not a GGUF file (it does not start with the GGUF magic). {_REDOWNLOAD}")
-        return _reader_class(gguf)(path, "r")
-    except _Truncated as cut:
-        raise CheckpointError(
-            f"{where} is truncated: its tensor table describes {cut.needed:,} bytes but the file has {cut.size:,} "
-            f"({100 * cut.size / cut.needed:.1f}%). The download was probably interrupted; download it again."
-        ) from None
-    except CheckpointError:
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read this file ({error.strerror or error}).") from None
+    if magic != b"GGUF":
+        raise CheckpointError(f"{where} is not a GGUF file (it does not start with the GGUF magic). {_REDOWNLOAD}")
+    try:
+        scan_gguf(path, {int(qtype): sizes for qtype, sizes in gguf.GGML_QUANT_SIZES.items()})
+    except GGUFScanError as error:
+        if error.architecture in LANGUAGE_ARCHS or (error.key or "").startswith("tokenizer."):
+            raise CheckpointError(
+                f"{where} is a language model GGUF (general.architecture = {shown(error.architecture)}, a tokenizer "
+                f"in its metadata), not a Qwen-Image 2.1 DiT. {_PUT_HERE}"
+            ) from None
         raise
-    except Exception as error:  # the reader's own errors: a header cut short, an unknown type, a bad field
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as error:  # the reader's own errors: a bad field, a duplicated name, text that is not UTF-8
         raise CheckpointError(
-            f"{where}: the GGUF header or tensor table cannot be read ({type(error).__name__}: {error}); the file "
-            f"({size:,} bytes) is cut short or damaged. Download it again."
+            f"{where}: the GGUF header or tensor table cannot be read ({type(error).__name__}: "
+            f"{shown(str(error), 200)}); the file ({size:,} bytes) is cut short or damaged. Download it again."
         ) from None
 
 
@@ -118,7 +99,7 @@ def _orig_shape(gguf, reader, name: str, where: str) -> tuple[int, ...] | None:
     integers = {gguf.GGUFValueType.INT32, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT64,
                 gguf.GGUFValueType.UINT64}
     if len(field.types) != 2 or field.types[0] != gguf.GGUFValueType.ARRAY or field.types[1] not in integers:
-        raise CheckpointError(f"{where}: {ORIG_SHAPE_KEY}{name} is not an array of integers. {_REDOWNLOAD}")
+        raise CheckpointError(f"{where}: {shown(ORIG_SHAPE_KEY + name)} is not an array of integers. {_REDOWNLOAD}")
     return tuple(int(field.parts[index][0]) for index in field.data)
 
 
@@ -129,14 +110,14 @@ def _check_architecture(gguf, reader, names, where: str) -> str:
         return "none"
     if arch in OTHER_IMAGE_ARCHS:
         raise CheckpointError(
-            f"{where} is a GGUF of {OTHER_IMAGE_ARCHS[arch]} (general.architecture = {arch!r}), not a Qwen-Image 2.1 "
-            f"DiT. {_PUT_HERE}"
+            f"{where} is a GGUF of {OTHER_IMAGE_ARCHS[arch]} (general.architecture = {shown(arch)}), not a "
+            f"Qwen-Image 2.1 DiT. {_PUT_HERE}"
         )
     is_llm = (arch in LANGUAGE_ARCHS or reader.get_field(f"{arch}.block_count") is not None
               or reader.get_field("tokenizer.ggml.model") is not None or any(n.startswith("blk.") for n in names))
     if is_llm:
         raise CheckpointError(
-            f"{where} is a language model GGUF (general.architecture = {arch!r}, llama.cpp tensor names), not a "
+            f"{where} is a language model GGUF (general.architecture = {shown(arch)}, llama.cpp tensor names), not a "
             f"Qwen-Image 2.1 DiT. {_PUT_HERE}"
         )
     return arch
@@ -154,8 +135,8 @@ def _table(gguf, reader, path: Path) -> dict:
         shape = _orig_shape(gguf, reader, tensor.name, where) or tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if int(np.prod(shape, dtype=np.int64)) != count:
             raise CheckpointError(
-                f"{where}: {ORIG_SHAPE_KEY}{tensor.name} = {list(shape)} does not hold the tensor's {count} elements. "
-                f"{_REDOWNLOAD}"
+                f"{where}: {shown(ORIG_SHAPE_KEY + tensor.name)} = {list(shape)[:8]} does not hold the tensor's "
+                f"{count} elements. {_REDOWNLOAD}"
             )
         table[tensor.name] = (qtype, shape, int(tensor.n_bytes), tensor.data)
     return table
@@ -165,7 +146,7 @@ def _check_types(table, keys: dict[str, str], where: str) -> None:
     unsupported = [(key, table[file_key][0]) for key, file_key in keys.items() if table[file_key][0] not in
                    SUPPORTED_TYPES]
     if unsupported:
-        examples = "; ".join(f"{key} is {qtype}" for key, qtype in unsupported[:3])
+        examples = "; ".join(f"{shown(key, 80)[1:-1]} is {qtype}" for key, qtype in unsupported[:3])
         raise CheckpointError(
             f"{where}: {len(unsupported)} tensors are stored in GGUF types this pack does not dequantize ({examples}). "
             f"Supported: {', '.join(SUPPORTED_TYPES)}. Use a file quantized to one of those (Q8_0 ... Q2_K)."
@@ -196,7 +177,7 @@ def load_gguf_dit(path, weight_dtype: str = "default", device="cpu", attention: 
         arch = _check_architecture(gguf, reader, table.keys(), where)
         keys = rename_keys(table, strip_prefix, where)  # {key without the ComfyUI prefix: key in the file}
         tensors = {key: TensorInfo(table[file_key][0], table[file_key][1], path) for key, file_key in keys.items()}
-        config = infer_config(tensors, f"{where} (GGUF, general.architecture = {arch!r})")
+        config = infer_config(tensors, f"{where} (GGUF, general.architecture = {shown(arch)})")
         plan = file_plan(config, "transformer_blocks.0.img_mlp.gate_up.weight" in tensors)
         check_shapes(plan, tensors, config, where)
         _check_types(table, keys, where)
@@ -206,7 +187,7 @@ def load_gguf_dit(path, weight_dtype: str = "default", device="cpu", attention: 
             model = QwenImage21DiT(config, dtype=compute, attention=backend)
         try:
             _fill(model, plan, {key: table[file_key] for key, file_key in keys.items()}, compute,
-                  torch.device(device))
+                  torch.device(device), where)
         except BaseException:
             del model  # nothing half-loaded stays alive, also on KeyboardInterrupt
             raise
@@ -226,8 +207,9 @@ def _owned(target: torch.Tensor, source: np.ndarray) -> None:
         target.view(torch.uint8).view(-1).copy_(torch.from_numpy(data.copy()))
 
 
-def _fill(model: QwenImage21DiT, plan, entries: dict, compute: torch.dtype, device: torch.device) -> None:
-    """Each Linear of the plan becomes a GGUFLinear over the file's bytes; 1-D tensors are dequantized."""
+def _fill(model: QwenImage21DiT, plan, entries: dict, compute: torch.dtype, device: torch.device, where: str) -> None:
+    """Each Linear of the plan becomes a GGUFLinear over the file's bytes; 1-D tensors are dequantized. Every
+    tensor's floats (a float type's values, a quantized type's block scales) are checked for NaN/inf as read."""
     for name, keys in plan.items():
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
@@ -240,7 +222,7 @@ def _fill(model: QwenImage21DiT, plan, entries: dict, compute: torch.dtype, devi
                 stop = start + 1
                 while stop < len(keys) and entries[keys[stop]][0] == qtype:
                     stop += 1
-                layer.add_segment(qtype, _segment(entries, keys[start:stop], qtype, in_features, device))
+                layer.add_segment(qtype, _segment(entries, keys[start:stop], qtype, in_features, device, where))
                 start = stop
             parent_name, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
@@ -249,15 +231,18 @@ def _fill(model: QwenImage21DiT, plan, entries: dict, compute: torch.dtype, devi
             qtype, shape, nbytes, data = entries[key]
             raw = torch.empty(nbytes, dtype=torch.uint8)
             _owned(raw, data)
-            values = dequantize(qtype, raw).view(getattr(module, attr).shape).to(device=device, dtype=compute)
+            values = dequantize(qtype, raw).view(getattr(module, attr).shape)
             del raw
+            check_finite(values, key, where)
+            values = values.to(device=device, dtype=compute)
             setattr(module, attr, torch.nn.Parameter(values, requires_grad=False))
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
         raise RuntimeError(f"GGUF loader: parameters left unfilled: {left[:3]}")  # a bug of ours, never a file's
 
 
-def _segment(entries: dict, keys: list[str], qtype: str, in_features: int, device: torch.device) -> torch.Tensor:
+def _segment(entries: dict, keys: list[str], qtype: str, in_features: int, device: torch.device,
+             where: str) -> torch.Tensor:
     """The parts `keys` (one GGUF type) concatenated along rows, in the type's storage layout."""
     if qtype in FLOAT_TYPES:
         rows = sum(entries[key][1][0] for key in keys)
@@ -266,6 +251,7 @@ def _segment(entries: dict, keys: list[str], qtype: str, in_features: int, devic
         for key in keys:
             part_rows = entries[key][1][0]
             _owned(target[row : row + part_rows], entries[key][3])
+            check_finite(target[row : row + part_rows], key, where)
             row += part_rows
         return target
     block, size = QUANT_TYPES[qtype]
@@ -275,6 +261,7 @@ def _segment(entries: dict, keys: list[str], qtype: str, in_features: int, devic
     for key in keys:
         count = entries[key][2] // size
         _owned(target[first : first + count], entries[key][3])
+        check_finite(block_scales(qtype, target[first : first + count]), f"{key} (its {qtype} block scales)", where)
         first += count
     return target
 

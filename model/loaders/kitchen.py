@@ -1,31 +1,21 @@
-"""ComfyUI's per-layer quantized checkpoints (int8 ConvRot, fp8, W4A8, ConvRot W4A4), kept quantized and run
-through comfy-kitchen's kernels.
+"""ComfyUI's per-layer quantized checkpoints (int8 ConvRot, fp8, W4A8, ConvRot W4A4, NVFP4, MXFP8): reading and
+checking them. What each format is and how it runs: layers/formats.py.
 
 What is on disk (docs/checkpoints.md, "Quantized files"): next to each quantized Linear `L` the file holds
-`L.weight` in the format's storage dtype, its scales (`L.weight_scale`, `L.input_scale`, W4A8's
-`L.weight_s_rel` / `L.weight_s_channel` / `L.weight_codebook`), and a description of the layer: a `L.comfy_quant`
-tensor of UTF-8 JSON bytes, or the same JSON under `layers` in the header metadata `_quantization_metadata`.
-Legacy scaled-fp8 files instead carry a `scaled_fp8` marker tensor and `L.scale_weight` / `L.scale_input`.
+`L.weight` in the format's storage dtype, its scales (`L.weight_scale`, `L.input_scale`, NVFP4's
+`L.weight_scale_2`, W4A8's `L.weight_s_rel` / `L.weight_s_channel` / `L.weight_codebook`), and a description of the
+layer: a `L.comfy_quant` tensor of UTF-8 JSON bytes, or the same JSON under `layers` in the header metadata
+`_quantization_metadata`. Legacy scaled-fp8 files instead carry a `scaled_fp8` marker tensor and
+`L.scale_weight` / `L.scale_input`.
 
 `plan_quantization` reads the descriptions (small JSON blobs; no weight is read) and checks every quantized
-layer from the headers alone: a known format, every scale present with the shape and dtype the format needs,
-nothing left over, a format this machine and comfy-kitchen can run. Only then do the loaders read weights. A
-quantized layer becomes a `QuantLinear` (a `Linear`, so LoRA adapters and the DiT's row-range calls work
-unchanged) or, for a text encoder's token table, a `QuantEmbedding`. Each file tensor stays one segment of its
-own, in its stored dtype and with its own scales (the fused [q; k; v] of the DiT is three file tensors, each with
-its own scale), so the parameter bytes are the file's payload and nothing is upcast.
-
-How each format runs (comfy-kitchen picks its CUDA/Triton kernels where it has them, its eager torch code on a
-CPU):
-- `int8_tensorwise` (`convrot` or not): `int8_linear`, which quantizes the activations per row (W8A8; with ConvRot
-  it rotates them by the same Hadamard blocks first);
-- `asym_w4a8_int8`: `w4a8_int8_linear` (int4 codebook weights, int8 activations);
-- `convrot_w4a4`: `convrot_w4a4_linear` (int4 weights and activations), when a backend of comfy-kitchen has it;
-- `float8_e4m3fn` / `float8_e5m2`: weight-only here: the rows are dequantized by comfy-kitchen and the GEMM runs in
-  the compute dtype (what ComfyUI does on hardware without fp8 matmuls);
-- a layer marked `full_precision_matrix_mult`: dequantized rows and a plain GEMM, whatever the format.
-`nvfp4` and `mxfp8` are refused with the hardware they need. comfy-kitchen itself is imported lazily, only when
-a quantized file (or the DiT loader's own fp8 option) needs it.
+layer from the headers alone (the format's own `check`): a known format, every scale present with the shape and
+dtype the format needs, nothing left over, a format comfy-kitchen can run here. Only then do the loaders read
+weights. A quantized layer becomes a `QuantLinear` (a `Linear`, so LoRA adapters and the DiT's row-range calls
+work unchanged) or, for a text encoder's token table, a `QuantEmbedding`. Each file tensor stays one segment of
+its own, in its stored dtype and with its own scales (the fused [q; k; v] of the DiT is three file tensors, each
+with its own scale), so the parameter bytes are the file's payload and nothing is upcast. comfy-kitchen itself is
+imported lazily, only when a file has a format that needs it (fp8 does not).
 """
 
 import math
@@ -35,54 +25,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..layers.kitchen import FP8_DTYPES, QuantEmbedding, QuantLinear, kitchen
+from ..layers.formats import FLOATS, FORMATS, FP8_FORMATS, kitchen
+from ..layers.kitchen import QuantEmbedding, QuantLinear
 from ..layers.linear import Linear
-from .safetensors_io import CheckpointError, TensorInfo, parse_json_object
+from .finite import check_finite
+from .safetensors_io import CheckpointError, TensorInfo, parse_json_object, shown
 
 MAX_DESCRIPTION_BYTES = 64 * 1024  # a layer's JSON description is tens of bytes
-FLOATS = ("F32", "F16", "BF16")  # stored dtypes a scale may have
-# Formats ComfyUI knows that only Blackwell tensor cores run (comfy/quant_ops.py QUANT_ALGOS).
-BLACKWELL_FORMATS = ("nvfp4", "mxfp8")
-# Per-layer keys of a quantized Linear, by role; the legacy scaled-fp8 names are aliases.
-ROLES = ("weight_scale", "input_scale", "weight_s_rel", "weight_s_channel", "weight_codebook", "weight_correction",
-         "weight_scale_2", "pre_quant_scale")
+# Per-layer keys of a quantized Linear, by role (every role any format has); the legacy scaled-fp8 names are aliases.
+ROLES = tuple(dict.fromkeys(role for fmt in FORMATS.values() for role in (*fmt.required, *fmt.optional)))
 ALIASES = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
 DESCRIPTION = "comfy_quant"
 LEGACY_MARKER = "scaled_fp8"
-
-
-@dataclass(frozen=True)
-class Format:
-    """What a format stores (`weight` dtype, whether two 4-bit values share a byte along the inputs), which roles
-    it requires and allows, the comfy-kitchen function that runs it and whether that quantizes activations."""
-
-    weight_dtypes: tuple[str, ...]
-    packed: bool
-    required: tuple[str, ...]
-    optional: tuple[str, ...]
-    kernel: str
-    quantizes_input: bool
-
-
-FORMATS = {
-    "int8_tensorwise": Format(("I8",), False, ("weight_scale",), (), "int8_linear", True),
-    "float8_e4m3fn": Format(("F8_E4M3",), False, ("weight_scale",), ("input_scale",), "dequantize_per_tensor_fp8",
-                            False),
-    "float8_e5m2": Format(("F8_E5M2",), False, ("weight_scale",), ("input_scale",), "dequantize_per_tensor_fp8",
-                          False),
-    "asym_w4a8_int8": Format(("I8",), True, ("weight_s_rel", "weight_s_channel"),
-                             ("weight_codebook", "weight_correction"), "w4a8_int8_linear", True),
-    "convrot_w4a4": Format(("I8",), True, ("weight_scale",), (), "convrot_w4a4_linear", True),
-}
-
-
-def kitchen_installed() -> bool:
-    """Whether comfy-kitchen can be imported (asked only when fp8 weights are being stored)."""
-    try:
-        import comfy_kitchen  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # -- reading the descriptions -----------------------------------------------------------------------------------
@@ -112,8 +66,8 @@ def _descriptions(tensors: dict[str, TensorInfo], metadata: dict, read: Callable
             raise CheckpointError(f"{where}: {source} does not describe a quantized layer (a JSON object with a "
                                   "\"format\"); the file is damaged. Download it again.")
         if layer in found and found[layer].get("format") != description["format"]:
-            raise CheckpointError(f"{where}: {layer} is described as {found[layer]['format']!r} and as "
-                                  f"{description['format']!r}; the file contradicts itself. Download it again.")
+            raise CheckpointError(f"{where}: {layer} is described as {shown(found[layer]['format'])} and as "
+                                  f"{shown(description['format'])}; the file contradicts itself. Download it again.")
         found[layer] = {**found.get(layer, {}), **description}
 
     if "_quantization_metadata" in metadata:
@@ -124,7 +78,7 @@ def _descriptions(tensors: dict[str, TensorInfo], metadata: dict, read: Callable
             raise CheckpointError(f"{where}: the header's _quantization_metadata has no \"layers\" object; the file "
                                   "is damaged. Download it again.")
         for name, description in layers.items():
-            add(rename(name), description, f"_quantization_metadata layer {name!r}")
+            add(rename(name), description, f"_quantization_metadata layer {shown(name)}")
     for key, info in tensors.items():
         if not key.endswith("." + DESCRIPTION):
             continue
@@ -138,7 +92,7 @@ def _descriptions(tensors: dict[str, TensorInfo], metadata: dict, read: Callable
         # ComfyUI's legacy scaled fp8: every layer with a scale_weight is fp8 in its weight's own dtype; a marker of
         # 2 elements asked for the matrix multiplication in full precision.
         full = math.prod(tensors[markers[0]].shape) == 2
-        fp8 = {dtype for dtype, _ in FP8_DTYPES.values()}
+        fp8 = {fmt.weight_dtypes[0] for fmt in FP8_FORMATS.values()}
         unscaled = sorted(key for key, info in tensors.items() if key.endswith(".weight") and info.dtype in fp8
                           and key[: -len(".weight")] + ".scale_weight" not in tensors)
         if unscaled:
@@ -149,7 +103,7 @@ def _descriptions(tensors: dict[str, TensorInfo], metadata: dict, read: Callable
             if key.endswith(".scale_weight"):
                 layer = key[: -len(".scale_weight")]
                 weight = tensors.get(layer + ".weight")
-                fmt = next((name for name, (dtype, _) in FP8_DTYPES.items() if weight and weight.dtype == dtype),
+                fmt = next((name for name, f in FP8_FORMATS.items() if weight and weight.dtype in f.weight_dtypes),
                            f"scaled fp8 with a {weight.dtype if weight else 'missing'} weight")
                 add(layer, {"format": fmt, "full_precision_matrix_mult": full}, key)
     return found
@@ -168,33 +122,22 @@ class QuantLayer:
     shape: tuple[int, int]
 
 
-def _int_option(description: dict, key: str, default: int, where: str, layer: str) -> int:
-    params = description.get("params") if isinstance(description.get("params"), dict) else {}
-    value = description.get(key, params.get(key, default))
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 20:
-        raise CheckpointError(f"{where}: {layer} has {key} = {value!r}; expected a positive integer. The file is "
-                              "damaged; download it again.")
-    return value
-
-
-def _option(description: dict, key: str, default):
-    params = description.get("params") if isinstance(description.get("params"), dict) else {}
-    return description.get(key, params.get(key, default))
-
-
-def _power_of_4(value: int) -> bool:
-    return value >= 4 and value & (value - 1) == 0 and (value.bit_length() - 1) % 2 == 0
-
-
 class _Checker:
-    """Checks of one layer, every message naming the file, the key, the format and what to do."""
+    """One layer's header checks for its format's `check` (formats.py); every message names the file, the key, the
+    format and what to do."""
 
-    def __init__(self, where: str, fmt: str, tensors: dict, keys: dict, instead: str):
-        self.where, self.fmt, self.tensors, self.keys, self.instead = where, fmt, tensors, keys, instead
+    def __init__(self, where: str, name: str, fmt: str, description: dict, tensors: dict, keys: dict, instead: str):
+        self.where, self.name, self.fmt, self.instead = where, name, fmt, instead
+        self.tensors, self.keys = tensors, keys
+        params = description.get("params")
+        self.description, self.params = description, params if isinstance(params, dict) else {}
 
     def fail(self, problem: str):
         raise CheckpointError(f"{self.where}: {problem}. The file is damaged or incomplete; download it again, or use "
                               f"{self.instead}.")
+
+    def has(self, role: str) -> bool:
+        return role in self.keys
 
     def info(self, role: str) -> TensorInfo:
         return self.tensors[self.keys[role]]
@@ -204,65 +147,41 @@ class _Checker:
         if info.dtype not in dtypes or tuple(info.shape) not in shapes:
             self.fail(f"{self.keys[role]} is {info.dtype} {list(info.shape)}, but a {self.fmt} layer needs {what}")
 
+    def option(self, key: str, default):
+        return self.description.get(key, self.params.get(key, default))
+
+    def int_option(self, key: str, default: int) -> int:
+        value = self.option(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 20:
+            raise CheckpointError(f"{self.where}: {self.name} has {key} = {shown(value)}; expected a positive integer. "
+                                  "The file is damaged; download it again.")
+        return value
+
+    @staticmethod
+    def show(value) -> str:
+        """`value` for a message, cut short (a file's text can be long)."""
+        return shown(value)
+
 
 def _check_layer(layer: str, description: dict, keys: dict, tensors: dict, where: str, instead: str) -> QuantLayer:
-    fmt = description["format"]
-    spec = FORMATS[fmt]
-    check = _Checker(where, fmt, tensors, keys, instead)
+    name = description["format"]
+    spec = FORMATS[name]
+    check = _Checker(where, layer, name, description, tensors, keys, instead)
     for role in spec.required:
         if role not in keys:
-            check.fail(f"the {fmt} layer {layer} has no {layer}.{role}")
+            check.fail(f"the {name} layer {layer} has no {layer}.{role}")
     extra = sorted(set(keys) - {"weight", *spec.required, *spec.optional})
     if extra:
-        check.fail(f"{keys[extra[0]]} does not belong to a {fmt} layer")
+        check.fail(f"{keys[extra[0]]} does not belong to a {name} layer")
     weight = check.info("weight")
     if weight.dtype not in spec.weight_dtypes or len(weight.shape) != 2:
-        check.fail(f"{keys['weight']} is {weight.dtype} {list(weight.shape)}, but a {fmt} weight is a 2-D "
+        check.fail(f"{keys['weight']} is {weight.dtype} {list(weight.shape)}, but a {name} weight is a 2-D "
                    f"{' or '.join(spec.weight_dtypes)} tensor")
     rows, cols = weight.shape
-    inputs = 2 * cols if spec.packed else cols
-    options = {"full_precision": bool(_option(description, "full_precision_matrix_mult", False))}
-    one = ((), (1,))
-    if fmt == "int8_tensorwise":
-        check.expect("weight_scale", FLOATS, (*one, (rows, 1), (rows,)),
-                     f"one fp32 scale for the tensor or one per row ({rows})")
-        options["convrot"] = bool(_option(description, "convrot", False))
-        options["convrot_groupsize"] = _int_option(description, "convrot_groupsize", 256, where, layer)
-        if options["convrot"] and (not _power_of_4(options["convrot_groupsize"])
-                                   or inputs % options["convrot_groupsize"]):
-            check.fail(f"{layer} has convrot_groupsize {options['convrot_groupsize']}, which must be a power of 4 "
-                       f"dividing its {inputs} inputs")
-    elif fmt in FP8_DTYPES:
-        check.expect("weight_scale", FLOATS, one, "one fp32 scale for the whole tensor")
-        if "input_scale" in keys:
-            check.expect("input_scale", FLOATS, one, "one fp32 input scale")
-    elif fmt == "asym_w4a8_int8":
-        group = options["group_size"] = _int_option(description, "group_size", 16, where, layer)
-        rotation = options["convrot_groupsize"] = _int_option(description, "convrot_groupsize", 256, where, layer)
-        if group < 4 or (16 % group and group % 16) or inputs % 16 or inputs % group or not _power_of_4(rotation) \
-                or inputs % rotation:
-            check.fail(f"{layer} ({inputs} inputs) has group_size {group} and convrot_groupsize {rotation}; W4A8 needs "
-                       "inputs divisible by 16, by the group size (4 or more, dividing 16 or a multiple of 16) and by "
-                       "the rotation size (a power of 4)")
-        groups = inputs // group
-        check.expect("weight_s_rel", ("F8_E4M3", "U8", "F32"), ((rows, groups),),
-                     f"fp8 or fp32 group scales of shape [{rows}, {groups}]")
-        check.expect("weight_s_channel", ("F32",), ((rows,),), f"fp32 channel scales of shape [{rows}]")
-        if "weight_codebook" in keys:
-            check.expect("weight_codebook", ("F32",), ((16,),), "a 16-level fp32 codebook")
-        if "weight_correction" in keys:
-            check.expect("weight_correction", FLOATS, ((groups, rows),), f"corrections of shape [{groups}, {rows}]")
-    elif fmt == "convrot_w4a4":
-        check.expect("weight_scale", FLOATS, ((rows,), (rows, 1)), f"one scale per row ({rows})")
-        rotation = options["convrot_groupsize"] = _int_option(description, "convrot_groupsize", 256, where, layer)
-        options["quant_group_size"] = _int_option(description, "quant_group_size", 64, where, layer)
-        options["linear_dtype"] = _option(description, "linear_dtype", "int4")
-        if options["quant_group_size"] != 64 or options["linear_dtype"] not in ("int4", "int8") \
-                or not _power_of_4(rotation) or inputs % rotation or inputs % 64:
-            check.fail(f"{layer} ({inputs} inputs) has convrot_groupsize {rotation}, quant_group_size "
-                       f"{options['quant_group_size']} and linear_dtype {options['linear_dtype']!r}; ConvRot W4A4 "
-                       "needs groups of 64, int4 or int8, and a power-of-4 rotation dividing the inputs")
-    return QuantLayer(layer, fmt, dict(keys), options, (rows, inputs))
+    inputs = cols * spec.packed
+    options = {"full_precision": bool(check.option("full_precision_matrix_mult", False)),
+               **spec.check(check, rows, inputs)}
+    return QuantLayer(layer, name, dict(keys), options, (rows, inputs))
 
 
 # -- the plan -------------------------------------------------------------------------------------------------------
@@ -310,7 +229,7 @@ class QuantPlan:
             if isinstance(module, (Linear, nn.Linear)):
                 continue
             if path == allow_embedding and isinstance(module, nn.Embedding) \
-                    and self.layers[hits[0]].fmt in ("int8_tensorwise", *FP8_DTYPES):
+                    and FORMATS[self.layers[hits[0]].fmt].embedding:
                 continue
             raise CheckpointError(f"{self.where}: {hits[0]} is quantized as {self.layers[hits[0]].fmt}, which this "
                                   f"pack runs only for Linear layers (and int8/fp8 token tables); {path} is a "
@@ -329,7 +248,7 @@ class QuantPlan:
         if isinstance(old, nn.Embedding):
             new = QuantEmbedding(old.num_embeddings, old.embedding_dim, compute, old.padding_idx, device)
             layer = self.layers[keys[0]]
-            new.add_segment(layer.fmt, _read_roles(layer, read, device), layer.options)
+            new.add_segment(layer.fmt, _read_roles(layer, read, device, self.where), layer.options)
         else:
             out_features, in_features = old.weight.shape
             new = QuantLinear(in_features, out_features, compute)
@@ -338,7 +257,7 @@ class QuantPlan:
                 if layer is None:
                     new.add_segment("float", {"weight": read(key).to(device=device, dtype=compute, copy=True)}, {})
                 else:
-                    new.add_segment(layer.fmt, _read_roles(layer, read, device), layer.options)
+                    new.add_segment(layer.fmt, _read_roles(layer, read, device, self.where), layer.options)
             if new.segments[-1].end != out_features:
                 raise CheckpointError(f"{self.where}: {keys[0]} gives {new.segments[-1].end} rows, {path} needs "
                                       f"{out_features}.")
@@ -350,51 +269,41 @@ class QuantPlan:
         return True
 
 
-def _read_roles(layer: QuantLayer, read: Callable, device) -> dict[str, torch.Tensor]:
+def _read_roles(layer: QuantLayer, read: Callable, device, where: str) -> dict[str, torch.Tensor]:
     """Every tensor of a quantized layer in memory of its own on `device`, in its stored dtype (uint8 W4A8 group
-    scales seen as the fp8 bytes they are)."""
+    scales seen as the fp8 bytes they are); every float among them (scales, fp8 weights) checked for NaN/inf."""
     out = {}
     for role, key in layer.keys.items():
         tensor = read(key).to(device=device, copy=True)
         if role == "weight_s_rel" and tensor.dtype == torch.uint8:
             tensor = tensor.view(torch.float8_e4m3fn)
+        check_finite(tensor, f"{key} ({layer.fmt} {role})", where)
         out[role] = tensor
     return out
 
 
-def _hardware() -> str:
-    if not torch.cuda.is_available():
-        return "this machine has no CUDA GPU"
-    major, minor = torch.cuda.get_device_capability()
-    return f"this machine's GPU ({torch.cuda.get_device_name()}) has compute capability {major}.{minor}"
-
-
 def _check_runnable(formats: dict[str, str], where: str, instead: str) -> None:
-    """Refuse formats this machine or comfy-kitchen cannot run (`formats`: format -> an example layer)."""
+    """Refuse formats this pack does not know, or that comfy-kitchen cannot run here (`formats`: format -> an
+    example layer). comfy-kitchen is imported only when a format needs it."""
     for fmt, layer in formats.items():
-        if fmt in BLACKWELL_FORMATS:
-            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-            why = ("this pack does not run it yet" if capability is not None and capability >= (10, 0)
-                   else _hardware())
-            raise CheckpointError(
-                f"{where} is quantized as {fmt} (e.g. {layer}): {fmt} needs an NVIDIA Blackwell GPU (compute "
-                f"capability 10.0 or newer) and its tensor-core kernels, and {why}. Use {instead} instead."
-            )
         if fmt not in FORMATS:
             raise CheckpointError(
-                f"{where}: {layer} is quantized as {fmt!r}, a format this pack does not know (it runs "
+                f"{where}: {layer} is quantized as {shown(fmt)}, a format this pack does not know (it runs "
                 f"{', '.join(FORMATS)}). Use {instead} instead."
             )
-    ck = kitchen(f"{where} is a quantized checkpoint ({', '.join(sorted(formats))}); its layers")
-    for fmt, layer in formats.items():
+    needs = {fmt: layer for fmt, layer in formats.items() if FORMATS[fmt].needs_kitchen}
+    if not needs:
+        return
+    ck = kitchen(f"{where} is a quantized checkpoint ({', '.join(sorted(needs))}); its layers")
+    for fmt, layer in needs.items():
         try:
             ck.registry.get_capable_backend(FORMATS[fmt].kernel)
         except Exception as error:  # comfy-kitchen's NoCapableBackendError lists what each backend lacks
-            needs = (" It needs a CUDA GPU of compute capability 7.5 or newer with comfy-kitchen's CUDA kernels."
-                     if fmt == "convrot_w4a4" else "")
+            hint = (" It needs a CUDA GPU of compute capability 7.5 or newer with comfy-kitchen's CUDA kernels."
+                    if fmt == "convrot_w4a4" else "")
             raise CheckpointError(
                 f"{where} is quantized as {fmt} (e.g. {layer}), and no comfy-kitchen backend available here runs "
-                f"it ({error}).{needs} Use {instead} instead."
+                f"it ({error}).{hint} Use {instead} instead."
             ) from None
 
 
@@ -445,7 +354,8 @@ def plan_quantization(tensors: dict[str, TensorInfo], metadata: dict, read: Call
     for layer, description in sorted(descriptions.items()):
         weight_key = layer + ".weight"
         if weight_key not in tensors:
-            raise CheckpointError(f"{where}: the file describes a quantized layer {layer} but has no {weight_key}. "
+            raise CheckpointError(f"{where}: the file describes a quantized layer {shown(layer)} but has no "
+                                  f"{shown(weight_key)}. "
                                   f"Download it again, or use {instead}.")
         if not used(weight_key):
             consumed.add(weight_key)

@@ -5,7 +5,9 @@ What a LoRA file holds, per targeted Linear `W` (out x in): a down matrix `A` (r
 (out x rank) and optionally a scalar `alpha`. The layer becomes `W x + strength * alpha / rank * B (A x)`
 (`alpha / rank` = 1 without alpha), computed as a branch in the compute dtype next to the frozen weight, so
 bf16, fp16, fp32, fp8 and quantized weights all take it without requantization or a weight copy
-(`Linear.adapters`, model/layers/linear.py). Key formats, the scale rule and what is refused: docs/lora.md.
+(`Linear.adapters`, model/layers/linear.py). Full-weight patches in the same file (`.diff`, `.diff_b`,
+`.set_weight`, as ComfyUI's LoRA extraction writes them) apply as ComfyUI applies them: `lora_patches.py`. Key
+formats, the scale rule and what is refused: docs/lora.md.
 
 Names: a file names diffusers' modules (`transformer_blocks.N.attn.to_q`, ...), in one of the formats of
 `FORMATS`; `file_plan` (dit_keys.py) says which rows of which of our Linears each of them is, so separate
@@ -29,8 +31,10 @@ import torch
 from ..layers.linear import Linear
 from ..layers.lora import LowRankBranch
 from ..transformer.dit import DiTConfig, QwenImage21DiT
-from .checkpoint import FILE_DTYPES, FP8_FILE_DTYPES, CheckpointError, WeightReader, read_header
+from .checkpoint import FILE_DTYPES, FP8_FILE_DTYPES, CheckpointError, WeightReader, read_header, shown
 from .dit_keys import file_plan
+from .finite import check_finite
+from .lora_patches import PATCH_PARTS, WeightPatch, apply_patches, bias_note, patch_role, plan_patches
 
 
 class LoraError(CheckpointError):
@@ -67,6 +71,7 @@ PARTS = {
     ".alpha": "alpha",
 }
 _PART_SUFFIXES = sorted(PARTS, key=len, reverse=True)  # longest first: ".lora_A.weight" before ".lora_A"
+PATCH_ROLES = tuple(PATCH_PARTS.values())  # the roles of full-weight patch tensors (lora_patches.py)
 
 #: Tensors that change what a pair means: applying the pair without them would be another LoRA, so a file with
 #: them on a layer we would patch is refused.
@@ -80,7 +85,7 @@ REFUSED_PARTS = {
 OTHER_ADAPTERS = (
     (re.compile(r"\.hada_(w[12]_[ab]|t[12])$"), "LyCORIS LoHa (hada_*)"),
     (re.compile(r"\.lokr_(w[12](_[ab])?|t2)$"), "LyCORIS LoKr (lokr_*)"),
-    (re.compile(r"\.(diff|diff_b|set_weight|w_norm|b_norm|bias|reshape_weight)$"), "full weight/bias patches"),
+    (re.compile(r"\.(bias|reshape_weight)$"), "bias or reshape keys ComfyUI does not read either"),
 )
 TEXT_ENCODER = re.compile(r"^(lora_te\d?_|text_encoders?[._]|te\d?[._])")
 
@@ -135,11 +140,26 @@ def lora_targets(config: DiTConfig) -> dict[str, Target]:
 
 
 @functools.lru_cache(maxsize=8)
+def param_targets(config: DiTConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """File module name of each norm scale (`transformer_blocks.N.attn.norm_q`, `txt_in.text_norm`) -> (our
+    parameter path, its shape): what a full-weight patch (`.diff`) of a 1-D weight lands on."""
+    with torch.device("meta"):
+        meta = QwenImage21DiT(config)
+    params = dict(meta.named_parameters())
+    targets = {}
+    for name, keys in file_plan(config, fused_mlp=True).items():
+        path, _, attr = name.rpartition(".")
+        if not (attr == "weight" and isinstance(meta.get_submodule(path) if path else None, Linear)):
+            targets[keys[0].removesuffix(".weight")] = (name, tuple(params[name].shape))
+    return targets
+
+
+@functools.lru_cache(maxsize=8)
 def _underscored(config: DiTConfig) -> dict[str, str]:
     """kohya's flattened names (`transformer_blocks_0_attn_to_q`) -> the dotted name; built from the dotted
     names themselves, so no guessing which underscores were dots."""
     names = {}
-    for dotted in lora_targets(config):
+    for dotted in (*lora_targets(config), *param_targets(config)):
         flat = dotted.replace(".", "_")
         if flat in names:
             raise RuntimeError(f"{dotted} and {names[flat]} flatten to the same kohya name")
@@ -172,21 +192,28 @@ class LoraFile:
     pairs: tuple[LoraPair, ...]
     formats: tuple[str, ...]
     ignored: tuple[tuple[str, int], ...]
+    patches: tuple[WeightPatch, ...] = ()  # full-weight patches (.diff, .set_weight), lora_patches.py
+    extra_notes: tuple[str, ...] = ()  # what applies differently from the file's intent (bias deltas)
 
     def notes(self) -> list[str]:
-        if not self.ignored:
-            return []
-        total = sum(count for _, count in self.ignored)
-        kinds = ", ".join(f"{count} {kind}" for kind, count in self.ignored)
-        return [f"LoRA {self.name}: {total} of its keys were ignored ({kinds}); {len(self.pairs)} layer pair(s) "
-                "applied"]
+        notes = list(self.extra_notes)
+        if self.ignored:
+            total = sum(count for _, count in self.ignored)
+            kinds = ", ".join(f"{count} {kind}" for kind, count in self.ignored)
+            patches = f" and {len(self.patches)} full-weight patch(es)" if self.patches else ""
+            notes.insert(0, f"LoRA {self.name}: {total} of its keys were ignored ({kinds}); {len(self.pairs)} layer "
+                            f"pair(s){patches} applied")
+        return notes
 
 
 def _classify(key: str) -> tuple[str, str | None, str | None]:
-    """(module stem, role in a plain pair or None, adapter kind when not a plain pair or None)."""
+    """(module stem, role in a plain pair or a full-weight patch or None, adapter kind when neither or None)."""
     for suffix in _PART_SUFFIXES:
         if key.endswith(suffix):
             return key[: -len(suffix)], PARTS[suffix], None
+    patch = patch_role(key)
+    if patch is not None:
+        return patch[0], patch[1], None
     for suffix, kind in REFUSED_PARTS.items():
         if key.endswith(suffix):
             return key[: -len(suffix)], None, kind
@@ -199,11 +226,11 @@ def _classify(key: str) -> tuple[str, str | None, str | None]:
 
 def _module_of(stem: str, config: DiTConfig) -> tuple[str, str] | None:
     """(diffusers module name, format name) for a key stem in any of FORMATS, else None."""
-    targets, flat = lora_targets(config), _underscored(config)
+    targets, params, flat = lora_targets(config), param_targets(config), _underscored(config)
     for fmt in FORMATS:
         if stem.startswith(fmt.prefix):
             rest = stem[len(fmt.prefix):]
-            module = (rest if rest in targets else None) if fmt.dotted else flat.get(rest)
+            module = (rest if rest in targets or rest in params else None) if fmt.dotted else flat.get(rest)
             if module is not None:
                 return module, fmt.name
     return None
@@ -217,7 +244,7 @@ def _block_index(stem: str) -> int | None:
 def _sample(keys, count: int = 5) -> str:
     keys = sorted(keys)
     more = f" (and {len(keys) - count} more)" if len(keys) > count else ""
-    return ", ".join(keys[:count]) + more
+    return ", ".join(shown(key, 80) for key in keys[:count]) + more
 
 
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -241,7 +268,7 @@ def _check_family(keys, where: str) -> None:
     for family, pattern in FOREIGN:
         example = next((key for key in sorted(keys) if pattern.search(key)), None)
         if example is not None:
-            raise LoraError(f"{where} is a LoRA for {family}, not for Qwen-Image 2.1 (e.g. key {example!r}). "
+            raise LoraError(f"{where} is a LoRA for {family}, not for Qwen-Image 2.1 (e.g. key {shown(example)}). "
                             f"{TARGETS_HINT}; pick a LoRA made for Qwen-Image 2.1.")
 
 
@@ -278,7 +305,7 @@ def read_lora(path, config: DiTConfig, name: str | None = None) -> LoraFile:
         if found is None:
             block = _block_index(stem)
             if block is not None and block >= config.num_layers:
-                refused.append(f"{key} targets transformer block {block}, but the model has {config.num_layers}")
+                refused.append(f"{shown(key)} targets transformer block {block}, but the model has {config.num_layers}")
             else:
                 unmatched.append(key)
             continue
@@ -291,9 +318,25 @@ def read_lora(path, config: DiTConfig, name: str | None = None) -> LoraFile:
             continue
         roles[role] = key
 
-    targets = lora_targets(config)
-    plan = []
+    targets, params = lora_targets(config), param_targets(config)
+    plan, patch_plan = [], []
     for module, roles in groups.items():
+        patch_roles = {role: roles.pop(role) for role in PATCH_ROLES if role in roles}
+        if patch_roles:
+            linear = targets.get(module)
+            weight, bias = plan_patches(module, patch_roles, headers, linear, None if linear else params[module][1],
+                                        _FLOAT_DTYPES, refused)
+            patch_plan.append((module, weight, bias))
+            if not {"down", "up"} & roles.keys():
+                roles.pop("alpha", None)  # an alpha beside a full patch scales nothing (ComfyUI reads it, unused)
+            if weight is not None and {"down", "up"} & roles.keys():  # ComfyUI: the full patch replaces the pair
+                ignore("low-rank pairs replaced by a full-weight patch of the same module (as in ComfyUI)")
+                roles.clear()
+            if not roles:
+                continue
+        if module not in targets:
+            refused.append(f"{module} is a norm scale (1-D): a low-rank pair cannot patch it (a .diff can)")
+            continue
         if "down" not in roles or "up" not in roles:
             if set(roles) == {"alpha"}:
                 ignore("alphas without a pair")
@@ -304,6 +347,11 @@ def read_lora(path, config: DiTConfig, name: str | None = None) -> LoraFile:
         target = targets[module]
         down, up = (_matrix_shape(headers[roles[r]].shape) for r in ("down", "up"))
         rows = target.end - target.start
+        if down is not None and up is not None and 0 in (down[0], up[1]):
+            refused.append(f"{module}: down {list(headers[roles['down']].shape)} and up "
+                           f"{list(headers[roles['up']].shape)} have rank 0: the pair adds nothing and alpha / rank "
+                           "is undefined")
+            continue
         if down is None or up is None or down[1] != target.in_features or up[0] != rows or up[1] != down[0]:
             refused.append(f"{module}: down {list(headers[roles['down']].shape)} and up "
                            f"{list(headers[roles['up']].shape)}, expected [rank, {target.in_features}] and "
@@ -325,7 +373,7 @@ def read_lora(path, config: DiTConfig, name: str | None = None) -> LoraFile:
     if unmatched:
         ignored = {f"keys that name no Linear of the Qwen-Image 2.1 DiT (e.g. {_sample(unmatched, 2)})":
                    len(unmatched), **ignored}
-    if not plan:
+    if not plan and not patch_plan:
         raise LoraError(f"{where}: none of its {len(headers)} keys is a LoRA layer of the Qwen-Image 2.1 DiT (e.g. "
                         f"{_sample(headers)}). Formats read: {formats_text()}. {TARGETS_HINT}.")
 
@@ -337,14 +385,62 @@ def read_lora(path, config: DiTConfig, name: str | None = None) -> LoraFile:
             if alpha is not None and not math.isfinite(alpha):
                 raise LoraError(f"{where}: {roles['alpha']} is {alpha}; the file is damaged.")
             scale = 1.0 if alpha is None else alpha / down.shape[0]
+            _check_pair(where, module, roles, down, up, scale)
             pairs.append(LoraPair(module, target, down, up, scale))
-    return LoraFile(where, tuple(pairs), tuple(formats), tuple(ignored.items()))
+        patches, nonzero_bias, biases = [], [], 0
+        for module, weight, bias in patch_plan:
+            if weight is not None:
+                role, key = weight
+                tensor = _load_tensor(reader, headers, key)
+                if not torch.isfinite(tensor).all():
+                    raise LoraError(f"{where}: {key} holds NaN or infinite values; the file is damaged.")
+                target, param = targets.get(module), params.get(module, (None,))[0]
+                patches.append(WeightPatch(module, "set" if role == "set" else "diff", tensor,
+                                           target=target, param=None if target else param))
+            if bias is not None:  # no bias in the model (nor in ComfyUI's): read only to say whether it matters
+                biases += 1
+                if _load_tensor(reader, headers, bias).abs().max() != 0:
+                    nonzero_bias.append(bias)
+    note = bias_note(where, nonzero_bias, biases)
+    return LoraFile(where, tuple(pairs), tuple(formats), tuple(ignored.items()), tuple(patches),
+                    () if note is None else (note,))
+
+
+def _load_tensor(reader: WeightReader, headers, key: str) -> torch.Tensor:
+    dtype = _FLOAT_DTYPES[headers[key].dtype]
+    keep = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+    return reader.load(key, keep, "cpu")
+
+
+#: The largest entry `alpha / rank * up @ down` may have. The DiT's weights are O(1) (0.02 to 2 in the release), so a
+#: delta 10^4 times larger drives the activations to inf within a few blocks: that is a damaged file (an alpha of
+#: 1e30), not a strong LoRA (real ones stay below 1). Strength, at most 10, comes on top.
+MAX_DELTA = 1e4
+
+
+def _peak(tensor: torch.Tensor) -> float:
+    low, high = torch.aminmax(tensor.float() if tensor.dtype == torch.float64 else tensor)
+    return max(-float(low), float(high))
+
+
+def _check_pair(where: str, module: str, roles: dict, down: torch.Tensor, up: torch.Tensor, scale: float) -> None:
+    """Both matrices finite, and the scaled product within MAX_DELTA: a bound from the two peaks first (two
+    reductions), the exact product only when the bound is exceeded."""
+    for role, matrix in (("down", down), ("up", up)):
+        check_finite(matrix, roles[role], where, "; nothing was applied", LoraError)
+    bound = abs(scale) * down.shape[0] * _peak(down) * _peak(up)
+    if bound <= MAX_DELTA:
+        return
+    largest = float((up.float() @ down.float()).abs().amax()) * abs(scale)
+    if not largest <= MAX_DELTA:  # also NaN: inf * 0
+        alpha = f" (alpha {roles['alpha']!r})" if "alpha" in roles else ""
+        raise LoraError(f"{where}: {module}'s scaled product alpha / rank * up @ down{alpha} reaches {largest:.3g}, "
+                        f"beyond {MAX_DELTA:g} (the DiT's own weights are below 2); it would turn the image into "
+                        "inf/NaN. The file is damaged; nothing was applied.")
 
 
 def _load_matrix(reader: WeightReader, headers, key: str) -> torch.Tensor:
-    dtype = _FLOAT_DTYPES[headers[key].dtype]
-    keep = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-    tensor = reader.load(key, keep, "cpu")
+    tensor = _load_tensor(reader, headers, key)
     return tensor.reshape(tensor.shape[:2])  # LoCon's [a, b, 1, 1] -> [a, b]
 
 
@@ -388,7 +484,8 @@ def apply_lora(model: QwenImage21DiT, path, strength: float = 1.0, name: str | N
     for pair in lora.pairs:
         by_linear.setdefault(pair.target.linear, []).append(pair)
     new = clone_tree(model)
-    if strength != 0.0:  # strength 0 is the model itself: recorded, but no branch to run
+    if strength != 0.0:  # strength 0 is the model itself: recorded, but nothing applied (ComfyUI's LoRA nodes too)
+        apply_patches(new, lora.patches, strength)  # sets first: they replace what earlier LoRAs did there
         for path_, pairs in by_linear.items():
             linear = new.get_submodule(path_)
             linear.adapters = (*linear.adapters, LowRankBranch(pairs, strength))

@@ -28,6 +28,20 @@ DTYPE_BITS = {
     "U8": 8, "BOOL": 8,
 }
 _REDOWNLOAD = "The file is damaged or was written by a broken tool; download it again."
+#: The most characters of any text taken from a file (a key, a metadata string) that a message quotes: a hostile
+#: file's 16 MiB name would otherwise be copied whole into the error, the log and ComfyUI's /history.
+SHOWN_CHARS = 120
+#: The longest tensor name read (real ones are under 100 characters: `model.diffusion_model.transformer_blocks.59.
+#: attn.to_out.0.weight_scale`), so every message that lists a few keys stays short.
+MAX_KEY_CHARS = 1024
+
+
+def shown(text, limit: int = SHOWN_CHARS) -> str:
+    """`repr(text)` for a message, cut to about `limit` characters (the cut says how long the text was)."""
+    text = str(text)
+    if len(text) <= limit:
+        return repr(text)
+    return repr(text[:limit]) + f"... ({len(text):,} characters)"
 
 
 class CheckpointError(ValueError):
@@ -90,22 +104,23 @@ def _entry(name: str, entry, path: Path) -> tuple[TensorInfo, int, int]:
             or not isinstance(entry.get("data_offsets"), list) or len(entry["data_offsets"]) != 2 \
             or not all(_is_count(o) for o in entry["data_offsets"]):
         raise CheckpointError(
-            f"{path.name}: malformed header entry for tensor {name!r} (expected a dtype, a shape of non-negative "
+            f"{path.name}: malformed header entry for tensor {shown(name)} (expected a dtype, a shape of non-negative "
             f"integers and two non-negative data offsets). {_REDOWNLOAD}"
         )
     dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
     if begin > end:
-        raise CheckpointError(f"{path.name}: tensor {name!r} has reversed data offsets [{begin}, {end}]. {_REDOWNLOAD}")
+        raise CheckpointError(f"{path.name}: tensor {shown(name)} has reversed data offsets [{begin}, {end}]. "
+                              f"{_REDOWNLOAD}")
     if dtype not in DTYPE_BITS:
         raise CheckpointError(
-            f"{path.name}: tensor {name!r} has dtype {dtype!r}, which safetensors does not define (expected one of "
-            f"{', '.join(DTYPE_BITS)}). {_REDOWNLOAD}"
+            f"{path.name}: tensor {shown(name)} has dtype {shown(dtype)}, which safetensors does not define "
+            f"(expected one of {', '.join(DTYPE_BITS)}). {_REDOWNLOAD}"
         )
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if bits != 8 * (end - begin):
         raise CheckpointError(
-            f"{path.name}: tensor {name!r} is {dtype} of shape {list(shape)}, {bits / 8:g} bytes, but its data offsets "
-            f"span {end - begin} bytes. {_REDOWNLOAD}"
+            f"{path.name}: tensor {shown(name)} is {dtype} of shape {list(shape)}, {bits / 8:g} bytes, but its data "
+            f"offsets span {end - begin} bytes. {_REDOWNLOAD}"
         )
     return TensorInfo(dtype, shape, path), begin, end
 
@@ -143,6 +158,9 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
         raise CheckpointError(f"{path.name}: the header's __metadata__ is not a map of strings. {_REDOWNLOAD}")
     tensors, spans = {}, []
     for name, entry in header.items():
+        if len(name) > MAX_KEY_CHARS:  # every later message may quote a key: none is longer than this
+            raise CheckpointError(f"{path.name}: tensor name {shown(name)} is longer than any weight's name "
+                                  f"({MAX_KEY_CHARS:,} characters at most). {_REDOWNLOAD}")
         tensors[name], begin, end = _entry(name, entry, path)
         spans.append((begin, end, name))
     # Tensors must tile the data section exactly, in offset order: no gap, no overlap (what safetensors checks).
@@ -152,7 +170,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
             problem = ("overlaps the tensor before it" if begin < data_end
                        else f"leaves a gap of {begin - data_end} bytes")
             raise CheckpointError(
-                f"{path.name}: the data of tensor {name!r} (offsets [{begin}, {end}]) {problem}. {_REDOWNLOAD}"
+                f"{path.name}: the data of tensor {shown(name)} (offsets [{begin}, {end}]) {problem}. {_REDOWNLOAD}"
             )
         data_end = end
     expected = 8 + header_len + data_end

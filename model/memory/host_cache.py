@@ -18,21 +18,29 @@ class HostPrefixKVCache(PrefixKVCache):
     host), and `to()` keeps it there: the store keeps it in host memory between runs.
     """
 
+    shares_rows = False  # whole prefixes stream in per layer: no rows read from another prefix's tensor
+
     def __init__(self, device):
         super().__init__()
         self.compute_device = torch.device(device)
         self.copies = 0
+        #: the cache layers in the order a step reads them (None: 0, 1, 2, ...); a control stream's layers sit
+        #: between the base's (`ControlPatch.read_order`), so the slot ring fetches the one read next
+        self.read_order: tuple[int, ...] | None = None
         self._slots = None
         self._ring = None
         self._written = {}
 
     def allocate(self, prefix_lens, layers: int, heads: int, head_dim: int, dtype, device) -> None:
         self.free()
+        self._plan = None  # never planned (shares_rows is False): every prefix is computed whole
         self.compute_device = torch.device(device)
         self.prefix_lens = tuple(int(p) for p in prefix_lens)
         pin = self.compute_device.type == "cuda"
         self.kv = [torch.empty(layers, 2, p, heads, head_dim, dtype=dtype, device="cpu", pin_memory=pin)
                    for p in self.prefix_lens]
+        self.parts = tuple(((t, 0, p),) for t, p in zip(self.kv, self.prefix_lens))
+        self.computed = tuple((g, 0, p) for g, p in enumerate(self.prefix_lens))
 
     def layer_kv(self, layer: int) -> "HostLayerKV":
         return HostLayerKV(self, layer)
@@ -79,8 +87,15 @@ class HostPrefixKVCache(PrefixKVCache):
                                   after=lambda layer: self._written.get(layer))
             self._slots = [[torch.empty(t.shape[1:], dtype=t.dtype, device=self.compute_device) for t in self.kv]
                            for _ in range(STREAM_SLOTS)]
-        slot = self._ring.acquire(layer, following=(layer + 1) % self.layers)
+        slot = self._ring.acquire(layer, following=self._read_after(layer))
         return self._slots[slot]
+
+    def _read_after(self, layer: int) -> int:
+        order = self.read_order
+        if not order or layer not in order:
+            return (layer + 1) % self.layers
+        return order[(order.index(layer) + 1) % len(order)]
+
 
 
 class HostLayerKV(LayerKV):
@@ -94,6 +109,10 @@ class HostLayerKV(LayerKV):
     def read(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self.cache._read(self.layer)[group]
         return entry[0], entry[1]
+
+    def read_parts(self, group: int, rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        key, value = self.read(group)
+        return [(key, value) if rows is None else (key[:rows], value[:rows])]
 
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from ..transformer.dit import DiTConfig
 from .estimate import GIB, VAEShape, decode_transient, estimate_run
 from .slots import STREAM_SLOTS
-from .weights import LayeredWeights, synthetic_dit_weights
+from .weights import LINEAR_ITEMSIZE, LayeredWeights, synthetic_dit_weights
 
 MIB = 2**20
 #: Added to every device phase off the CPU: cuBLAS/cuDNN workspaces, the caching allocator's rounding.
@@ -341,7 +341,7 @@ def _alternatives(run: RunShape, weights: LayeredWeights, config: DiTConfig):
         fewer = replace(run, prefix_tokens=tuple(p - last for p in run.prefix_tokens),
                         reference_tokens=run.reference_tokens[:-1])
         out.append((f"{len(run.reference_tokens) - 1} references", fewer, weights))
-    if weights.label in ("bf16", "fp16", "fp32"):
+    if LINEAR_ITEMSIZE.get(weights.label, (0, 0))[0] > LINEAR_ITEMSIZE["int8"][0]:  # a float file: int8 is smaller
         out.append(("an int8 file", run, synthetic_dit_weights(config, "int8")))
     return out
 

@@ -1,11 +1,13 @@
 """What the weights take: stored bytes counted from the real tensors (so fp8, int8 and GGUF weights count at their
 stored size), per streamable layer and for the rest, and the same table for a model that is not loaded."""
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..layers.formats import FORMATS
 from ..transformer.dit import DiTConfig, QwenImage21DiT
 from .slots import STREAM_SLOTS, slot_layout
 
@@ -78,8 +80,8 @@ def weight_format(model: nn.Module) -> str:
     kinds = [getattr(seg, "qtype", None) or getattr(seg, "fmt", None) for seg in segments]
     if any(kinds):  # GGUF (qtype) or ComfyUI's quantized files (fmt)
         prefix = "gguf " if hasattr(segments[0], "qtype") else ""
-        names = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8 e5m2", "int8_tensorwise": "int8"}
-        return prefix + "/".join(dict.fromkeys(names.get(k, k) for k in kinds if k))
+        return prefix + "/".join(dict.fromkeys(FORMATS[k].label if k in FORMATS else k for k in kinds
+                                               if k and k != "float"))
     dtype = next((t.dtype for t in module_tensors(block.qkv)), torch.float32)
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8",
             torch.int8: "int8"}.get(dtype, str(dtype).replace("torch.", ""))
@@ -91,9 +93,11 @@ def dit_weights(model: QwenImage21DiT) -> LayeredWeights:
 
 
 
-#: Bytes per element of a block's linear weights in the formats the tables compare; int8 adds one fp32 scale per
-#: output row (per-channel), fp8 none (a per-tensor scale).
-LINEAR_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+#: Stored bytes of a block's linear weights, by format label: (per weight element, per output row). The float
+#: dtypes, then every quantized format of the registry (int8 adds one fp32 scale per row, NVFP4 an fp8 scale per 16
+#: elements, ...).
+LINEAR_ITEMSIZE = {"fp32": (4, 0), "bf16": (2, 0), "fp16": (2, 0),
+                   **{fmt.label: (fmt.element_bytes, fmt.row_bytes) for fmt in FORMATS.values()}}
 
 
 
@@ -106,11 +110,12 @@ def synthetic_dit_weights(config: DiTConfig | None = None, fmt: str = "bf16") ->
         model = QwenImage21DiT(config or DiTConfig(), dtype=torch.bfloat16)
     other_size = 4 if fmt == "fp32" else 2
     layers = []
+    element, row = LINEAR_ITEMSIZE[fmt]
     for block in model.blocks:
         size = 0
         for name, param in block.named_parameters():
             if name.endswith(".weight") and param.ndim == 2:
-                size += param.numel() * LINEAR_ITEMSIZE[fmt] + (param.shape[0] * 4 if fmt == "int8" else 0)
+                size += math.ceil(param.numel() * element) + param.shape[0] * row
             else:
                 size += param.numel() * other_size
         layers.append(size)

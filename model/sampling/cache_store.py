@@ -1,9 +1,16 @@
-"""Prefix caches kept between runs (`keep_cache`), bounded by a memory budget.
+"""Prefix caches kept between runs (`keep_cache`), bounded by a memory budget, matched by content.
 
-A second run with the same model and the same conditioning (another seed, another size, another batch size:
-the prefix never reads the target) finds its cache here and skips the prefill entirely. Entries are keyed by
-the model's identity and the conditioning's content, evicted least-recently-used to stay inside the budget,
-dropped when their model is garbage-collected, and cleared on request (ComfyUI's "free memory").
+A later run with the same model finds here the longest leading run of its prefix that some kept cache holds
+(`reuse`): the same prompt (another seed, size or batch size: the prefix never reads the target) reuses all of
+it and skips the prefill; a new instruction after the same references reuses the rows up to the instruction and
+computes only the rest. Matching compares content digests (`transformer/prefix_runs.py`), never object identity.
+
+Kept caches may share tensors (a run that started from a kept cache reads that cache's rows in place), so the
+store counts every tensor once, and a tensor is freed only when no kept cache and no run holds it any more.
+Entries are evicted least-recently-used to stay inside the budget, dropped when their model is garbage-collected,
+and cleared on request (ComfyUI's "free memory"). A run takes out the entries it reads while it samples: if it
+fails or is interrupted they are dropped with it, never put back half-used; if it succeeds they go back beside
+its own cache unless that cache now holds everything they offered.
 
 The bound is the smaller of a fixed ceiling (`budget_bytes`; None: none) and what the memory planner says is free
 beside the current run (`free_bytes`, set by the sampler nodes before each run from the memory plan); with neither,
@@ -11,6 +18,7 @@ beside the current run (`free_bytes`, set by the sampler nodes before each run f
 GPU it keeps more.
 """
 
+import itertools
 import threading
 import weakref
 from collections import OrderedDict
@@ -20,23 +28,38 @@ from ..transformer.prefix_cache import PrefixKVCache
 DEFAULT_BUDGET_BYTES = 8 * 2**30  # ~16k prefix tokens of the full model in bf16 (0.5 MiB per token)
 
 
+def _unique_bytes(caches) -> int:
+    seen = {}
+    for cache in caches:
+        for tensor in cache.kv or ():
+            seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def _covers(cache: PrefixKVCache, other: PrefixKVCache) -> bool:
+    """Whether every prefix `other` holds is a leading run of one of `cache`'s (so `other` offers nothing more)."""
+    return bool(other.runs) and all(any(mine.common_rows(theirs) == theirs.rows for mine in cache.runs)
+                                    for theirs in other.runs)
+
+
 class PrefixCacheStore:
     def __init__(self, budget_bytes: int | None = DEFAULT_BUDGET_BYTES):
         self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
         self.free_bytes: int | None = None  # the memory planner's figure (set_free)
-        self._entries: OrderedDict[tuple, PrefixKVCache] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[tuple, PrefixKVCache]] = OrderedDict()  # id -> (model key, cache)
+        self._ids = itertools.count()
         self._watched: set[int] = set()
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(model, *fingerprints, dtype=None, control=None) -> tuple:
-        """The model's identity and dtype, the conditioning's fingerprints, the Fun ControlNet of a controlled prefix
-        (`control`: its net and strength, not its image; None for a plain prefix), and last the model's LoRA set
-        (name and strength of each: another strength or another LoRA never reuses a prefix). A controlled copy is
-        identified by the model it was applied to, so a new control image reuses its prefix."""
+    def key(model, *extra, dtype=None) -> tuple:
+        """The model's identity and dtype, anything else that must match (`extra`: a Fun ControlNet's net and
+        strength for a controlled prefix), and last the model's LoRA set (name and strength of each: another
+        strength or another LoRA never reuses a prefix). The prefix itself is matched by content (`reuse`), not by
+        key. A controlled copy is identified by the model it was applied to (`cache_owner`): a new control image
+        reuses its prefix, and its steps outside the control's window share plain caches with that model's runs."""
         loras = tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
-        return (id(cache_owner(model)), str(dtype), *fingerprints, None if control is None else control.cache_key,
-                loras)
+        return (id(cache_owner(model)), str(dtype), *extra, loras)
 
     @property
     def limit_bytes(self) -> int:
@@ -48,33 +71,81 @@ class PrefixCacheStore:
         """What the memory planner says kept caches may use beside the next run; evicts (LRU) down to it now."""
         with self._lock:
             self.free_bytes = None if free_bytes is None else max(0, int(free_bytes))
-            while self._entries and self.nbytes > self.limit_bytes:
-                self._entries.popitem(last=False)[1].free()
+            self._evict_to_limit()
 
     def drop_where(self, predicate) -> None:
         """Free every kept cache for which `predicate(cache)` holds."""
         with self._lock:
-            for key in [k for k, cache in self._entries.items() if predicate(cache)]:
-                self._entries.pop(key).free()
+            for entry in [e for e, (_, cache) in self._entries.items() if predicate(cache)]:
+                self._entries.pop(entry)[1].free()
 
     def payloads(self) -> list:
-        """The tensors the kept caches hold (for memory accounting)."""
-        return [t for cache in self._entries.values() for t in (cache.kv or ())]
+        """The distinct tensors the kept caches hold (for memory accounting)."""
+        seen = {}
+        for _, cache in self._entries.values():
+            for tensor in cache.kv or ():
+                seen[id(tensor)] = tensor
+        return list(seen.values())
 
     @property
     def nbytes(self) -> int:
-        return sum(cache.nbytes for cache in self._entries.values())
+        """Bytes the kept caches hold, each shared tensor counted once."""
+        return _unique_bytes(cache for _, cache in self._entries.values())
+
+    def caches(self) -> list[PrefixKVCache]:
+        return [cache for _, cache in self._entries.values()]
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, key) -> PrefixKVCache | None:
-        """Remove and return the entry for `key` (the run owns it while it samples), or None."""
-        with self._lock:
-            return self._entries.pop(key, None)
+    def reuse(self, model_key, runs, device, shares_rows: bool = True):
+        """What a new run with prefixes of these `runs` can start from: `(taken, bases, whole)`.
 
-    def put(self, key, cache: PrefixKVCache, model) -> bool:
-        """Keep `cache` under `key`, evicting the least recently used entries to fit the budget.
+        `bases[g]` is None or `("parts", parts, rows)` for `PrefixKVCache.plan`: the longest leading run of prefix g
+        some kept cache of this model on `device` holds. The entries it reads are taken out (`taken`: hand them to
+        `give_back` after a successful run, free them after a failed one). A cache kind that cannot share rows
+        (`shares_rows` False, the host-side cache) reuses only a kept cache of exactly these prefixes, returned
+        whole as `whole` (taken out too).
+        """
+        bases, taken, whole = [None] * len(runs), {}, None
+        with self._lock:
+            candidates = [(e, cache) for e, (key, cache) in self._entries.items()
+                          if key == model_key and cache.filled and cache.runs]
+            if not shares_rows:
+                for entry, cache in candidates:
+                    if type(cache).shares_rows is False and len(cache.runs) == len(runs) and all(
+                            a.rows == b.rows == a.common_rows(b) for a, b in zip(runs, cache.runs)):
+                        whole = self._entries.pop(entry)[1]
+                        return [whole], bases, whole
+                return [], bases, None
+            for g, wanted in enumerate(runs):
+                best = (0, None, None)
+                for entry, cache in candidates:
+                    if not cache.shares_rows or cache.device != device:
+                        continue
+                    for h, theirs in enumerate(cache.runs):
+                        rows = wanted.common_rows(theirs)
+                        if rows > best[0]:
+                            best = (rows, entry, cache.parts[h])
+                if best[1] is not None:
+                    bases[g] = ("parts", best[2], best[0])
+                    taken[best[1]] = None
+            taken = [self._entries.pop(entry)[1] for entry in taken]
+        return taken, bases, whole
+
+    def give_back(self, model_key, taken, cache: PrefixKVCache, model) -> bool:
+        """After a successful run: keep its `cache`, and put back the `taken` entries it does not cover. Returns
+        whether the run's cache was kept (False: larger than the budget on its own; it is freed then)."""
+        for old in taken:
+            if old is not cache and not _covers(cache, old):
+                self.put(model_key, old, model)
+            elif old is not cache:
+                old.free()
+        return self.put(model_key, cache, model)
+
+    def put(self, model_key, cache: PrefixKVCache, model) -> bool:
+        """Keep `cache` (made by `model`, under its `key`), evicting the least recently used entries to fit the
+        budget. Entries it covers are dropped (it offers all they did).
 
         Returns False (and frees the cache) when it alone exceeds the budget.
         """
@@ -82,11 +153,13 @@ class PrefixCacheStore:
             if cache.nbytes > self.limit_bytes:
                 cache.free()
                 return False
-            self._entries.pop(key, None)
-            self._entries[key] = cache
-            while self.nbytes > self.limit_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                evicted.free()
+            for entry in [e for e, (key, old) in self._entries.items()
+                          if key == model_key and old is not cache and _covers(cache, old)]:
+                self._entries.pop(entry)[1].free()
+            for entry in [e for e, (_, old) in self._entries.items() if old is cache]:
+                self._entries.pop(entry)
+            self._entries[next(self._ids)] = (model_key, cache)
+            self._evict_to_limit(keep=cache)
             model = cache_owner(model)  # the identity in the key (`key`)
             if id(model) not in self._watched:
                 self._watched.add(id(model))
@@ -94,16 +167,21 @@ class PrefixCacheStore:
                 weakref.finalize(model, _evict_from, weakref.ref(self), id(model))
             return True
 
+    def _evict_to_limit(self, keep=None) -> None:
+        while self._entries and self.nbytes > self.limit_bytes:
+            entry = next(e for e, (_, cache) in self._entries.items() if cache is not keep or len(self._entries) == 1)
+            self._entries.pop(entry)[1].free()
+
     def evict_model(self, model_id: int) -> None:
         """Drop every entry made by the model with this id (it was unloaded)."""
         with self._lock:
-            for key in [k for k in self._entries if k[0] == model_id]:
-                self._entries.pop(key).free()
+            for entry in [e for e, (key, _) in self._entries.items() if key[0] == model_id]:
+                self._entries.pop(entry)[1].free()
             self._watched.discard(model_id)
 
     def clear(self) -> None:
         with self._lock:
-            for cache in self._entries.values():
+            for _, cache in self._entries.values():
                 cache.free()
             self._entries.clear()
 

@@ -17,22 +17,44 @@ Everything here works on normalised (DiT-space) latents `(B, 64, h, w)` in fp32.
 import torch
 import torch.nn.functional as F
 
+#: The longest schedule whose tail a denoise below 1 may take (`int(steps / denoise)` steps): a grid of a million
+#: points is 8 MB and milliseconds, and covers every value the widgets offer (200 steps at denoise 0.01 is 20,000).
+#: Beyond it the tail's sigmas would also stop being distinct in fp32. denoise = 1e-9 asked for 4e10 points (320 GB).
+MAX_SCHEDULE_STEPS = 1_000_000
+
+
+def smallest_denoise(steps: int) -> float:
+    """The smallest denoise `denoise_tail` takes for `steps` steps: `steps / MAX_SCHEDULE_STEPS`."""
+    return steps / MAX_SCHEDULE_STEPS
+
 
 def denoise_tail(full_schedule, steps: int, denoise: float) -> torch.Tensor:
     """The last `steps` steps of the `int(steps / denoise)`-step schedule `full_schedule(n)`, as ComfyUI's
-    KSampler builds an img2img schedule (denoise 1 gives the whole `steps`-step schedule)."""
-    check_denoise(denoise)
+    KSampler builds an img2img schedule (denoise 1 gives the whole `steps`-step schedule). A denoise below
+    `smallest_denoise(steps)` is refused rather than building a schedule of more than MAX_SCHEDULE_STEPS."""
+    check_denoise(denoise, steps)
     if denoise > 0.9999:  # ComfyUI's own threshold: treated as a full run
         return full_schedule(steps)
     return full_schedule(int(steps / denoise))[-(steps + 1) :]
 
 
-def check_denoise(denoise: float) -> None:
+def denoise_problem(denoise: float, steps: int | None = None) -> str | None:
+    """Why `denoise` cannot run (with `steps` Base steps, when given), or None."""
     if not 0.0 < float(denoise) <= 1.0:  # also refuses NaN
-        raise ValueError(
-            f"denoise = {denoise}: use a value in (0, 1]. 1 starts from pure noise; lower values keep more of the "
-            "latent_image (0 would run no step at all)."
-        )
+        return (f"denoise = {denoise}: use a value in (0, 1]. 1 starts from pure noise; lower values keep more of the "
+                "latent_image (0 would run no step at all).")
+    if steps is not None and denoise < smallest_denoise(steps):  # compared before dividing: 1e-320 would overflow
+        return (f"denoise = {denoise:g} with {steps} steps would take the last {steps} steps of a "
+                f"{steps / denoise:,.0f}-step schedule; the smallest denoise for {steps} steps is "
+                f"{smallest_denoise(steps):g} (a {MAX_SCHEDULE_STEPS:,}-step schedule). Use a larger denoise, or fewer "
+                "steps.")
+    return None
+
+
+def check_denoise(denoise: float, steps: int | None = None) -> None:
+    problem = denoise_problem(denoise, steps)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def match_batch(tensor: torch.Tensor, batch: int) -> torch.Tensor:

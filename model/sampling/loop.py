@@ -20,11 +20,12 @@ from einops import rearrange
 
 from ..conditioning import Conditioning
 from ..latents import LATENT_CHANNELS, latent_shape
-from ..transformer.controlnet import ControlledPrefixCache
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
-from ..transformer.prefix_cache import PrefixKVCache
+from ..transformer.prefix_runs import prefix_runs
 from .cache_store import PrefixCacheStore
+from .denoiser import FlowDenoiser, run_sampler
 from .img2img import finish_latents, start_latents
+from .run_caches import RunCaches
 from .schedule import euler_step, literal_sigmas, transformer_timestep
 
 
@@ -118,13 +119,42 @@ class _StepClock:
         return [end - start for start, end in self.marks]
 
 
+def loaded_weights(model) -> tuple[str, str]:
+    """(what the DiT runs with, what to try) for the NaN/inf message: the file, its weight format, the compute dtype
+    and the LoRAs, and the advice that fits them instead of a guess."""
+    compute = str(getattr(model, "compute_dtype", "unknown")).removeprefix("torch.")
+    source = getattr(model, "source", None)
+    stored = []
+    if source is not None and source.layout == "gguf":
+        types = {seg.qtype for module in model.modules() for seg in getattr(module, "segments", ())
+                 if hasattr(seg, "qtype")}
+        stored.append(f"GGUF {', '.join(sorted(types))}")
+    elif source is not None and source.quantized:
+        stored.append(f"quantized {', '.join(source.quantized)}")
+    elif any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        stored.append("fp8_e4m3fn block weights")
+    loras = [f"{lora.name} at strength {lora.strength:g}" for lora in getattr(model, "loras", ())]
+    what = (f"{source.path.name if source is not None else 'the DiT'} ({', '.join(stored + [f'{compute} compute'])})"
+            + (f" with LoRA {', '.join(loras)}" if loras else ""))
+    advice = []
+    if compute == "float16":
+        advice.append("load the model with weight_dtype bf16 or fp32 (fp16 overflows)")
+    if loras:
+        advice.append("run without the LoRA or at a lower strength")
+    if stored:
+        advice.append("try the bf16 file")
+    if not advice:
+        advice.append("the weights may be damaged: download the model file again")
+    return what, "; ".join(advice)
+
+
 class _FiniteWatch:
     """The NaN/inf check of the latents after every step. On the CPU it runs at once; on a GPU each step's verdict
     stays on the device and is read when the run ends (one host sync per run, not one per step), and the error
-    still names the first bad step."""
+    still names the first bad step and what was loaded."""
 
-    def __init__(self, device: torch.device, sigmas: torch.Tensor):
-        self.sigmas = sigmas
+    def __init__(self, device: torch.device, sigmas: torch.Tensor, model=None):
+        self.sigmas, self.model = sigmas, model
         self.deferred = device.type == "cuda"
         self.flags = torch.ones(sigmas.numel() - 1, dtype=torch.bool, device=device) if self.deferred else None
 
@@ -139,31 +169,11 @@ class _FiniteWatch:
             self._fail(int((~self.flags).nonzero()[0]))
 
     def _fail(self, step: int) -> None:
+        what, advice = loaded_weights(self.model)
         raise NonFiniteLatentsError(
             f"the latents became NaN/inf at step {step + 1} of {self.sigmas.numel() - 1} (sigma "
-            f"{self.sigmas[step].item():.4f}); with fp16 weights try bf16 or fp32."
+            f"{self.sigmas[step].item():.4f}) running {what}; {advice}."
         )
-
-
-class _HeldBytes:
-    """The most bytes each cache stream held in this run (`base`, and with a control net `control` and the plain
-    cache of the steps outside its window, `base_uncontrolled`), and where a filled cache lived."""
-
-    def __init__(self, controlled_run: bool):
-        self.plain_name = "base_uncontrolled" if controlled_run else "base"
-        self.streams = {}
-        self.device = None
-
-    def note(self, phase: bool, cache) -> None:
-        parts = {"base": cache.base, "control": cache.control} if phase else {self.plain_name: cache}
-        for name, part in parts.items():
-            self.streams[name] = max(self.streams.get(name, 0), part.nbytes)
-            if part.filled:
-                self.device = str(part.device)
-
-    @property
-    def total(self) -> int:
-        return sum(self.streams.values())
 
 
 def sample(
@@ -188,6 +198,7 @@ def sample(
     noise_mask: torch.Tensor | None = None,
     add_noise: bool = True,
     new_cache=None,
+    sampler=None,
 ) -> SampleResult:
     """Denoise along `sigmas` (used as given; see `literal_sigmas`); returns normalised latents and the report.
 
@@ -202,6 +213,10 @@ def sample(
     (1 = repaint) keeps the rest of `latent_image`. A schedule ending above 0 returns the partly denoised latent.
     `new_cache()` makes the prefix cache of a miss (default `PrefixKVCache`; the memory plan may ask for a host-side
     one, `streaming.HostPrefixKVCache`).
+
+    `sampler(denoiser, sigmas, noise, latent, mask) -> latents` replaces the Euler loop with a sampler of its own
+    over the model as a flow denoiser (denoiser.py: ComfyUI's SAMPLERs through the bridge); the cache is the same,
+    `callback` then runs after every model call (a `denoiser.CallInfo`) and the report counts `model_calls`.
     """
     notes = []
     grid = latent_shape(width, height)
@@ -228,31 +243,9 @@ def sample(
     if prefix_cache and not cached:
         notes.append("prefix cache off: this model has causal_condition=false")
 
-    # A Fun ControlNet copy (model/transformer/controlnet.py) runs its control on the steps of its window; those
-    # steps read a controlled cache (base + control K/V), the others a plain one: `phase` True / False.
-    control = getattr(model, "control", None)
-    phases = [control is not None and control.active(sigmas[i].item()) for i in range(steps)]
     if keep_cache and store is None:
         raise ValueError("keep_cache needs a store to keep the cache in (store=PrefixCacheStore(...)).")
-    new_cache = new_cache or PrefixKVCache  # new_cache: the memory plan's kind
-    keys, caches, hits = {}, {}, {}
-    for phase in dict.fromkeys(phases):
-        if cached and keep_cache:
-            keys[phase] = store.key(model, *(c.fingerprint() for c in conditionings), dtype=dtype,
-                                    control=control if phase else None)
-        cache = store.take(keys[phase]) if phase in keys else None
-        hits[phase] = cache is not None
-        if cache is not None:
-            cache.to(device)
-        elif cached:
-            cache = ControlledPrefixCache(new_cache) if phase else new_cache()
-        caches[phase] = cache
-    last_of = {phase: i for i, phase in enumerate(phases)}
-    held = _HeldBytes(control is not None)
-    hint_grid = grid if control is not None and any(phases) else None
-    if hint_grid is not None:
-        control.hint(hint_grid, device, dtype)  # the control latent (VAE encodes) before the first step's clock
-
+    runs = [prefix_runs(p.layout, p.text, p.references) for p in prefixes]
     init = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
     mask = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
     if mask is not None and init is None:
@@ -262,25 +255,35 @@ def sample(
     x = _pack(x0).to(device=device, dtype=dtype)
     if mask is not None:
         mask, init, kept_noise = (_pack(t).to(device) for t in (mask, init, kept_noise))
+
+    # A Fun ControlNet copy (transformer/controlnet.py) runs its control on the steps of its window, for both CFG
+    # prompts and every sample as core does; those steps read a controlled cache, the others a plain one.
+    control = getattr(model, "control", None)
+    phases = [control is not None and control.active(sigmas[i].item()) for i in range(steps)]
+    if control is not None and (any(phases) or sampler is not None):
+        control.hint(grid, device, dtype)  # the control latent (VAE encodes) before the first step's clock
+
+    def stream(controlled: bool):
+        return control.stream(grid, model.config.num_layers, device, dtype) if controlled else None
+
+    # the caches are planned on first use: a kept entry they take out of the store is handled by `close` below
+    caches = RunCaches(model, prefixes, runs, store=store, keep_cache=keep_cache, new_cache=new_cache, device=device,
+                       dtype=dtype) if cached else None
+    last_of = {phase: i for i, phase in enumerate(phases)}
     after_block = None if check_interrupt is None else (lambda index: check_interrupt())
-    clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas), [], False
+    clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
     try:
-        for i in range(steps):
-            phase, cache = phases[i], caches[phases[i]]
-            mode = "uncached" if not cached else ("cached" if cache.filled else "prefill")
+        for i in range(steps if sampler is None else 0):
+            phase = phases[i]
+            mode = "uncached" if not cached else caches.mode(phase)
             modes.append(mode)
             started = clock.start()
             t = transformer_timestep(sigmas[i], dtype).to(device)
-            extra = {}
-            if phase:  # the control for both CFG prompts and every sample, as core does
-                extra["control"] = control.stream(hint_grid, cache.control if cached else None, device, dtype)
             v = model(torch.cat([x, x]) if use_cfg else x, t, prefixes, sample_prefix,
-                      cache=(cache.base if phase else cache) if cached else None, mode=mode, attention=attention,
-                      after_block=after_block, **extra)
-            if cached:
-                held.note(phase, cache)
-                if i == last_of[phase] and phase not in keys:
-                    cache.free()  # nothing later reads it: a partial window holds both caches only while both are used
+                      cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
+                      after_block=after_block, control=stream(phase))
+            if cached and i == last_of[phase]:
+                caches.done_with(phase)
             if use_cfg:
                 v_pos, v_neg = v.chunk(2)
                 v = v_neg + cfg * (v_pos - v_neg)
@@ -296,42 +299,64 @@ def sample(
             clock.stop(started)
             if callback is not None:
                 callback(StepInfo(i, steps, sigmas[i].item(), x, x_before, v, grid))
+        if sampler is not None:  # the model as a flow denoiser, called wherever the sampler asks (denoiser.py)
+            def controlled_at(sigma: float) -> bool:
+                return control is not None and control.active(sigma)
+
+            def mode_of(sigma: float) -> str:
+                return "uncached" if not cached else caches.mode(controlled_at(sigma))
+
+            def forward(packed, t, mode, sigma):
+                phase = controlled_at(sigma)
+                return model(torch.cat([packed, packed]) if use_cfg else packed, t, prefixes, sample_prefix,
+                             cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
+                             after_block=after_block, control=stream(phase))
+
+            denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=cfg, grid=grid,
+                                    mode_of=mode_of, clock=clock, modes=modes, on_call=callback)
+            start = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
+            kept = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
+            final = run_sampler(sampler, denoiser, sigmas, noise, start, kept, add_noise)
+            watch.check(final, steps - 1)
         watch.finish()
         succeeded = True
     finally:
-        for phase, cache in caches.items():
-            if cache is None:
-                continue
-            held.note(phase, cache)
-            key = keys.get(phase)
-            if not (succeeded and key is not None and store.put(key, cache, model)):
-                cache.free()
-            if succeeded and key is not None and not cache.filled:
-                notes.append("cache not kept: larger than the store's budget")
-        cache = None
-        caches.clear()
+        if caches is not None:
+            caches.close(succeeded, notes)
 
     times = clock.seconds()  # the run's one host sync on a GPU
     prefill_seconds = next((t for t, mode in zip(times, modes) if mode == "prefill"), None)
     step_times = [t for t, mode in zip(times, modes) if mode != "prefill"]
+    prefix_rows = sum(p.layout.prefix_len for p in prefixes)
+    held_rows = caches.held_rows if cached else prefix_rows  # a partial window's two caches hold every row each
+    computed_rows = caches.computed_rows if cached else prefix_rows
     report = {
-        "prefix_tokens": sum(p.layout.prefix_len for p in prefixes),
+        "prefix_tokens": prefix_rows,
         "target_tokens": grid[0] * grid[1],
         "batch": batch,
         "steps": steps,
-        "cache": "off" if not cached else ("hit" if all(hits.values()) else "miss"),
-        "cache_bytes": held.total,
-        "cache_device": held.device,
+        "cache": "off" if not cached else caches.state(),
+        "cache_bytes": caches.nbytes if cached else 0,
+        "cache_device": caches.device if cached else None,
         "prefill_seconds": None if prefill_seconds is None else round(prefill_seconds, 4),
         "step_seconds": round(sum(step_times) / len(step_times), 4) if step_times else None,
+        "prefix_rows_reused": held_rows - computed_rows,
+        "prefix_rows_computed": computed_rows,
+        # what the user gave (token ids, pixels) when the text-encode step said it, else the DiT's inputs
+        "prefix_key": positive.lead_key or runs[0].leading_key(),
     }
     if control is not None:
-        report["control"] = {**control.report(), "active_steps": sum(phases), "cache_bytes": held.streams}
+        report["control"] = {**control.report(), "active_steps": sum(phases) if sampler is None else None,
+                             "cache_bytes": caches.stream_bytes() if cached else {}}
     loras = getattr(model, "loras", ())  # a LoRA copy (model/loaders/lora.py) records what it applied
     if loras:
         report["loras"] = [{"name": lora.name, "strength": lora.strength} for lora in loras]
         notes.extend(note for lora in loras for note in lora.notes)
+    if sampler is not None:
+        report["model_calls"] = len(modes)
     if notes:
         report["notes"] = notes
+    if sampler is not None:  # the sampler undid the noise scaling itself (ComfyUI's inverse_noise_scaling)
+        return SampleResult(final, report)
     return SampleResult(finish_latents(_unpack(x, grid), sigmas[-1].item()), report)
 

@@ -37,18 +37,34 @@ def _sdpa(q, k, v, mask=None):
     return out.transpose(1, 2)
 
 
-def prefix_attention_sdpa(q, k, v, segments) -> torch.Tensor:
-    """Block-causal attention of one prefix, `(P, heads, dim)` in and out, one SDPA call per segment."""
+def prefix_attention_sdpa(q, k, v, segments, first_row: int = 0) -> torch.Tensor:
+    """Block-causal attention of one prefix, `(rows, heads, dim)` in and out, one SDPA call per segment.
+
+    `q` holds the prefix rows from `first_row` on (a chunk after a reused leading run, which must end on a
+    segment boundary or inside a text run), `k` and `v` every row from 0: the chunk's rows read the run before
+    them like any earlier rows.
+    """
     q, k, v = q[None], k[None], v[None]
     outputs = []
     for start, end, is_text in segments:
+        if end <= first_row:
+            continue
+        start = max(start, first_row)
         mask = None
         if is_text:
             # row i of the run sees every key before the run and the run's keys up to itself
             length = end - start
             mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        outputs.append(_sdpa(q[:, start:end], k[:, :end], v[:, :end], mask))
+        outputs.append(_sdpa(q[:, start - first_row : end - first_row], k[:, :end], v[:, :end], mask))
     return torch.cat(outputs, dim=1)[0]
+
+
+def chunk_attention(q, k, v, context, segments, first_row: int) -> torch.Tensor:
+    """Block-causal attention of the prefix rows `first_row:` (`q`, `k`, `v` of those rows) over the reused rows
+    before them (`context`: `[(k, v), ...]` parts covering rows `0:first_row`) and themselves."""
+    keys = torch.cat([part_k for part_k, _ in context] + [k])
+    values = torch.cat([part_v for _, part_v in context] + [v])
+    return prefix_attention_sdpa(q, keys, values, segments, first_row)
 
 
 _warned_eager_flex = False
@@ -103,25 +119,34 @@ def prefix_attention_flex(q, k, v, block_mask) -> torch.Tensor:
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def target_attention(q, k, v, prefix_k, prefix_v) -> torch.Tensor:
-    """Target rows `(S, T, heads, dim)` of S samples sharing one prefix `(P, heads, dim)`: full attention.
+def _parts(prefix) -> list[torch.Tensor]:
+    return [prefix] if isinstance(prefix, torch.Tensor) else list(prefix)
 
-    The block-causal rule gives target rows every key, so no mask is needed. On CPU the prefix is never
-    concatenated with the target keys: the S samples' queries, folded into one sequence, attend to the shared
-    prefix in one call, each sample attends to its own target keys in another, and the two partial results are
-    merged exactly through their log-sum-exps. Elsewhere the prefix is broadcast and concatenated per call.
+
+def target_attention(q, k, v, prefix_k, prefix_v) -> torch.Tensor:
+    """Target rows `(S, T, heads, dim)` of S samples sharing one prefix: full attention.
+
+    The prefix is `(P, heads, dim)` keys and values, or lists of such parts in row order (a prefix whose leading
+    run is shared with another prompt). The block-causal rule gives target rows every key, so no mask is needed.
+    On CPU the prefix is never concatenated with the target keys: the S samples' queries, folded into one
+    sequence, attend to each prefix part in one call, each sample attends to its own target keys in another, and
+    the partial results are merged exactly through their log-sum-exps. Elsewhere the parts are broadcast and
+    concatenated per call.
     """
     samples, length, heads, dim = q.shape
-    if _flash_with_lse is None or q.device.type != "cpu" or prefix_k.shape[0] == 0:
-        keys = torch.cat([prefix_k.expand(samples, -1, -1, -1), k], dim=1)
-        values = torch.cat([prefix_v.expand(samples, -1, -1, -1), v], dim=1)
+    parts = [(pk, pv) for pk, pv in zip(_parts(prefix_k), _parts(prefix_v)) if pk.shape[0]]
+    if _flash_with_lse is None or q.device.type != "cpu" or not parts:
+        keys = torch.cat([pk.expand(samples, -1, -1, -1) for pk, _ in parts] + [k], dim=1)
+        values = torch.cat([pv.expand(samples, -1, -1, -1) for _, pv in parts] + [v], dim=1)
         return _sdpa(q, keys, values)
-    # (1, S*T, H, D) against the prefix: every sample reads the same keys
+    out, lse = _flash_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (S,H,T,D), (S,H,T)
+    # (1, S*T, H, D) against each prefix part: every sample reads the same keys
     folded = q.reshape(1, samples * length, heads, dim).transpose(1, 2)
-    out_p, lse_p = _flash_with_lse(folded, prefix_k[None].transpose(1, 2), prefix_v[None].transpose(1, 2))
-    out_p = out_p.view(heads, samples, length, dim).transpose(0, 1)  # (S, H, T, D)
-    lse_p = lse_p.view(heads, samples, length).transpose(0, 1)  # (S, H, T)
-    out_t, lse_t = _flash_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (S,H,T,D), (S,H,T)
-    # softmax over both key sets = weighted mean of the partial results, weight sigmoid(lse_p - lse_t)
-    merged = torch.lerp(out_t, out_p, torch.sigmoid(lse_p - lse_t)[..., None].to(out_t.dtype))
-    return merged.transpose(1, 2)
+    for part_k, part_v in parts:
+        out_p, lse_p = _flash_with_lse(folded, part_k[None].transpose(1, 2), part_v[None].transpose(1, 2))
+        out_p = out_p.view(heads, samples, length, dim).transpose(0, 1)  # (S, H, T, D)
+        lse_p = lse_p.view(heads, samples, length).transpose(0, 1)  # (S, H, T)
+        # softmax over both key sets = weighted mean of the partial results, weight sigmoid(lse_p - lse)
+        out = torch.lerp(out, out_p, torch.sigmoid(lse_p - lse)[..., None].to(out.dtype))
+        lse = torch.logaddexp(lse, lse_p)
+    return out.transpose(1, 2)

@@ -10,9 +10,9 @@ Facts (docs/controlnet.md; ComfyUI core's `qwen_image21/model.py` and VideoX-Fun
 Why the prefix cache stays exact: the control's prefix rows start at `X_prefix + before_proj.bias` (no control
 image, no step), run at t = 0 and read only earlier prefix rows, exactly like the base prefix. So with fixed
 strength the prefix rows of both streams, and the skips added to the base prefix, are the same at every step: a
-prefill stores the base K/V (skips applied) and the control blocks' own prefix K/V (`ControlledPrefixCache`), and
-cached steps run the target rows of both streams against them. A step outside the control's window is a plain DiT
-step and reads a plain cache.
+prefill stores the base K/V (skips applied) and the control blocks' own prefix K/V (more layers of the same
+`PrefixKVCache`, `ControlStream`), and cached steps run the target rows of both streams against them. A step
+outside the control's window is a plain DiT step and reads a plain cache.
 """
 
 import itertools
@@ -115,69 +115,36 @@ class FunControlNet(nn.Module):
         return injection_layers(theirs.num_layers, mine.num_blocks)
 
 
-class ControlledPrefixCache:
-    """The prefix cache of a controlled run: the base blocks' K/V (with the control's skips applied) and the control
-    blocks' own prefix K/V, two `PrefixKVCache`s that live and die together (the store keeps them as one entry)."""
-
-    def __init__(self, new_cache: Callable[[], PrefixKVCache] = PrefixKVCache):
-        self.base = new_cache()
-        self.control = new_cache()
-
-    @property
-    def filled(self) -> bool:
-        return self.base.filled and self.control.filled
-
-    @property
-    def nbytes(self) -> int:
-        return self.base.nbytes + self.control.nbytes
-
-    @property
-    def device(self):
-        return self.base.device
-
-    @property
-    def kv(self):
-        """Every payload tensor (the store's memory accounting reads this)."""
-        tensors = [*(self.base.kv or ()), *(self.control.kv or ())]
-        return tensors or None
-
-    def to(self, device) -> "ControlledPrefixCache":
-        self.base.to(device)
-        self.control.to(device)
-        return self
-
-    def free(self) -> None:
-        self.base.free()
-        self.control.free()
-
-
 class ControlStream:
-    """The control stream of one forward, in the net's compute dtype; the DiT calls `start` before its first block
+    """The control stream of one forward, in the model's compute dtype; the DiT calls `start` before its first block
     and `after_base_block` after each (model/transformer/dit.py). `hint` is the `(T, 129)` control latent of the
-    target rows (one for all samples: both CFG prompts and every seed read it); `cache` is the control's
-    `PrefixKVCache` in a prefill or cached step, None uncached."""
+    target rows (one for all samples: both CFG prompts and every seed read it).
+
+    The control blocks' prefix keys and values live in the base's prefix cache as `cache_layers` more layers
+    after the base's (layer `base_layers + k` is control block k): one cache with one tree of row parts, so a
+    kept controlled prefix is reused, shared by CFG's prompts and extended after a kept leading run exactly like
+    a plain one (their prefix rows depend only on earlier prefix rows, as the base's do)."""
 
     def __init__(self, net: FunControlNet, layers: tuple[int, ...], hint: torch.Tensor, strength: float,
-                 cache: PrefixKVCache | None = None):
-        self.net, self.hint, self.strength, self.cache = net, hint, float(strength), cache
+                 base_layers: int):
+        self.net, self.hint, self.strength, self.base_layers = net, hint, float(strength), int(base_layers)
         self.at = {base: k for k, base in enumerate(layers)}  # base block index -> control block index
-        self.x = self.c = self.mods = self.rows = None
+        self.x = self.c = self.mods = self.rows = self.cache = None
 
-    def start(self, x: torch.Tensor, mods: torch.Tensor, rows: Rows) -> None:
-        """Keep the embedded sequence X (the base blocks change their buffer in place) and ready the cache."""
-        config, dtype = self.net.config, self.net.compute_dtype
-        if rows.mode != "uncached" and self.cache is None:
-            raise ValueError(f"a {rows.mode} step with a control net needs the control's prefix cache.")
-        if rows.mode == "prefill":
-            self.cache.allocate(rows.prefix_lens, config.num_blocks, config.num_heads, config.head_dim, dtype,
-                                x.device)
-        elif rows.mode == "cached":
-            self.cache.check_compatible(rows.prefix_lens, config.num_blocks, config.num_heads, config.head_dim)
+    @property
+    def cache_layers(self) -> int:
+        """Layers the control adds to the prefix cache: one per control block."""
+        return self.net.config.num_blocks
+
+    def start(self, x: torch.Tensor, mods: torch.Tensor, rows: Rows, cache: PrefixKVCache | None) -> None:
+        """Keep the embedded sequence X (the base blocks change their buffer in place) and the run's cache."""
+        config = self.net.config
+        if rows.mode != "uncached" and cache is None:
+            raise ValueError(f"a {rows.mode} step with a control net needs the prefix cache.")
         if tuple(self.hint.shape) != (rows.target_len, config.control_in_dim):
             raise ValueError(f"the control latent is {tuple(self.hint.shape)}, the target needs "
                              f"({rows.target_len}, {config.control_in_dim}).")
-        # The stream runs in the net's own dtype (a bf16 net beside an fp32 model); its skips return in the model's.
-        self.x, self.mods, self.rows = x.to(dtype, copy=True), mods.to(dtype), rows
+        self.x, self.mods, self.rows, self.cache = x.clone(), mods, rows, cache
 
     def after_base_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Run the control block paired with base block `index` (if any) and add its skip to `x` in place."""
@@ -187,13 +154,13 @@ class ControlStream:
         block, rows = self.net.blocks[k], self.rows
         if k == 0:
             self.c, self.x = self._first_input(block), None
-        kv = self.cache.layer_kv(k) if self.cache is not None else None
+        kv = self.cache.layer_kv(self.base_layers + k) if self.cache is not None else None
         self.c = block(self.c, self.mods, rows, kv)
         skip = block.after_proj(self.c)
         skip += block.after_proj_bias
         if x.shape[0] != skip.shape[0]:  # the DiT's last block dropped its prefix rows
             skip = skip[rows.target_start :]
-        return x.add_(skip.to(x.dtype), alpha=self.strength)
+        return x.add_(skip, alpha=self.strength)
 
     def _first_input(self, block: ControlBlock) -> torch.Tensor:
         """`before_proj(J) + X`: the bias on every row, the projected control latent on each sample's target rows."""
@@ -254,9 +221,20 @@ class ControlPatch:
             self._hints = {grid: hint}  # one size at a time: a run has one target size
         return self._hints[grid].to(device=device, dtype=dtype)
 
-    def stream(self, grid, cache: PrefixKVCache | None, device, dtype) -> ControlStream:
-        """The control stream for one forward at this target size."""
-        return ControlStream(self.net, self.layers, self.hint(grid, device, dtype), self.strength, cache)
+    def read_order(self, base_layers: int) -> tuple[int, ...]:
+        """The prefix-cache layers in the order a controlled step reads them: base block i, then control block k
+        (cache layer `base_layers + k`) right after its base block."""
+        after = {base: k for k, base in enumerate(self.layers)}
+        order = []
+        for i in range(base_layers):
+            order.append(i)
+            if i in after:
+                order.append(base_layers + after[i])
+        return tuple(order)
+
+    def stream(self, grid, base_layers: int, device, dtype) -> ControlStream:
+        """The control stream for one forward at this target size, beside a DiT of `base_layers` blocks."""
+        return ControlStream(self.net, self.layers, self.hint(grid, device, dtype), self.strength, base_layers)
 
     def report(self) -> dict:
         return {"file": self.name, "strength": self.strength, "window": [self.start_percent, self.end_percent],

@@ -30,6 +30,7 @@ from einops import rearrange
 from ..layers.linear import Linear
 from .attention import (
     ATTENTION_BACKENDS,
+    chunk_attention,
     flex_block_mask,
     prefix_attention_flex,
     prefix_attention_sdpa,
@@ -141,18 +142,24 @@ class PrefixInputs:
 class Rows:
     """Everything a block needs to know about the ragged row buffer of one forward, built once per forward.
 
-    The buffer is `[prefix 0 | prefix 1 | ... | sample 0's target | sample 1's target | ...]`: each distinct
-    prompt's prefix appears once however many samples read it. In cached steps it holds the targets only.
+    The buffer is `[chunk 0 | chunk 1 | ... | sample 0's target | sample 1's target | ...]`. A chunk is the rows
+    of one distinct prompt's prefix that this forward computes: all of them, or (a prefill with a planned cache)
+    those after a leading run the cache already holds or another prompt of the batch computes. Each prompt's rows
+    appear once however many samples read them. In cached steps the buffer holds the targets only.
 
     Attributes:
         mode: "uncached", "prefill" or "cached".
-        prefix_spans: `(start, end)` of each prefix in the buffer; empty when the buffer holds targets only.
+        prefix_spans: `(start, end)` of each chunk in the buffer; empty when the buffer holds targets only.
         prefix_lens: tokens of each prefix (also in cached steps, where the cache holds them).
-        samples, target_len: the target rows are `samples` runs of `target_len` rows, after the prefixes.
+        samples, target_len: the target rows are `samples` runs of `target_len` rows, after the chunks.
         readers: per prefix, the samples attending to it (a slice when they are consecutive, else a list).
-        prefix_mod_rows: per prefix, its row of the modulation table (the t = 0 row under causal_condition).
+        prefix_mod_rows: per chunk, its row of the modulation table (the t = 0 row under causal_condition).
         rope: `(rows, head_dim / 2)` complex rotations in buffer order.
-        prefix_attention: `(g, q, k, v) -> out` block-causal attention of prefix g; None in cached steps.
+        prefix_attention: `(c, q, k, v, kv=None) -> out` block-causal attention of chunk c (a whole prefix needs
+            no `kv`); None in cached steps.
+        chunk_groups: the prefix of each chunk.
+        whole: per prefix, the chunk holding all its rows (its keys are read from the buffer), else None (read
+            from the cache).
     """
 
     mode: str
@@ -164,6 +171,8 @@ class Rows:
     prefix_mod_rows: tuple[int, ...]
     rope: torch.Tensor
     prefix_attention: Callable | None = None
+    chunk_groups: tuple[int, ...] = ()
+    whole: tuple = ()
 
     @property
     def target_start(self) -> int:
@@ -171,7 +180,8 @@ class Rows:
 
     def targets_only(self) -> "Rows":
         """The same rows after the prefix rows were dropped from the buffer (the last block does this)."""
-        return replace(self, prefix_spans=(), rope=self.rope[self.target_start :], prefix_attention=None)
+        return replace(self, prefix_spans=(), rope=self.rope[self.target_start :], prefix_attention=None,
+                       chunk_groups=(), whole=())
 
     def modulate(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """`x * (1 + scale)` with each row's own modulation row (prefix g: its row; sample b's targets: row b)."""
@@ -255,15 +265,23 @@ class Block(nn.Module):
         t0 = rows.target_start
         first_out = t0 if drop_prefix else 0
         attn = torch.empty(x.shape[0] - first_out, heads, head_dim, dtype=v.dtype, device=v.device)
+        for c, (start, end) in enumerate(rows.prefix_spans):
+            if rows.mode == "prefill":  # every chunk's keys first: a later chunk may read an earlier one's
+                kv.store(rows.chunk_groups[c], k[start:end], v[start:end])
+        if not drop_prefix:
+            for c, (start, end) in enumerate(rows.prefix_spans):
+                attn[start:end] = rows.prefix_attention(c, q[start:end], k[start:end], v[start:end], kv)
         prefix_kv = []
-        for g, (start, end) in enumerate(rows.prefix_spans):
-            if rows.mode == "prefill":
-                kv.store(g, k[start:end], v[start:end])
-            prefix_kv.append((k[start:end], v[start:end]))
-            if not drop_prefix:
-                attn[start:end] = rows.prefix_attention(g, q[start:end], k[start:end], v[start:end])
-        if rows.mode == "cached":
-            prefix_kv = [kv.read(g) for g in range(len(rows.prefix_lens))]
+        for g in range(len(rows.prefix_lens)):
+            chunk = rows.whole[g] if rows.whole else None
+            if chunk is not None:
+                start, end = rows.prefix_spans[chunk]
+                prefix_kv.append((k[start:end], v[start:end]))
+            elif rows.readers[g] is None:
+                prefix_kv.append(None)
+            else:
+                parts = kv.read_parts(g)
+                prefix_kv.append(([pk for pk, _ in parts], [pv for _, pv in parts]))
 
         samples, length = rows.samples, rows.target_len
         q_t, k_t, v_t = (tensor[t0:].view(samples, length, heads, head_dim) for tensor in (q, k, v))
@@ -345,15 +363,17 @@ class QwenImage21DiT(nn.Module):
             mode: "uncached" (no cache), "prefill" (full sequence, fills `cache`) or "cached" (target rows only).
             attention: prefill backend for this call, "sdpa" or "flex"; default: the model's.
             after_block: called with each block's index after it ran (interrupt checks inside a step).
-            control: a second stream added to this one (`controlnet.ControlStream`): `start(x, mods, rows)` sees
-                the embedded rows before block 0, `after_base_block(index, x)` returns each block's output with
-                the control's skip added.
+            control: a second stream added to this one (`controlnet.ControlStream`): `start(x, mods, rows, cache)`
+                sees the embedded rows before block 0, `after_base_block(index, x)` returns each block's output with
+                the control's skip added; its blocks' prefix K/V are `control.cache_layers` more layers of `cache`.
         Returns:
             `(B, T, out_channels)` in the compute dtype.
         """
-        x, mods, final_scale, rows = self.prepare(target, timestep, prefixes, sample_prefix, cache, mode, attention)
+        extra = control.cache_layers if control is not None else 0
+        x, mods, final_scale, rows = self.prepare(target, timestep, prefixes, sample_prefix, cache, mode, attention,
+                                                  extra_cache_layers=extra)
         if control is not None:
-            control.start(x, mods, rows)
+            control.start(x, mods, rows, cache)
         last = len(self.blocks) - 1
         for index, block in enumerate(self.blocks):
             x = block(x, mods, rows, cache.layer_kv(index) if cache is not None else None, drop_prefix=index == last)
@@ -363,12 +383,14 @@ class QwenImage21DiT(nn.Module):
                 after_block(index)
         return self.final_layer(x, final_scale, rows)
 
-    def prepare(self, target, timestep, prefixes, sample_prefix=None, cache=None, mode="uncached", attention=None):
+    def prepare(self, target, timestep, prefixes, sample_prefix=None, cache=None, mode="uncached", attention=None,
+                extra_cache_layers: int = 0):
         """Everything before the first block: `(x, mods, final_scale, rows)`.
 
         `x` is the row buffer `(rows, width)`, `mods` the modulation rows `(B + 1, 4 * width)` every block
         reads, `final_scale` the output head's `(B + 1, width)`, `rows` the buffer's `Rows`. A prefill
-        allocates `cache`; a cached step checks it was filled for these prefixes.
+        allocates `cache` (with `extra_cache_layers` after the blocks' own: a control stream's); a cached step
+        checks it was filled for these prefixes and layers.
         """
         config = self.config
         self._check_mode(mode, cache)
@@ -395,20 +417,28 @@ class QwenImage21DiT(nn.Module):
         mods = self.modulation(temb_act)  # (B + 1, 4 * width)
         final_scale = self.norm_out(temb_act)
 
-        with_prefix = mode != "cached"
         prefix_lens = tuple(p.layout.prefix_len for p in prefixes)
-        spans, start = [], 0
-        for length in prefix_lens if with_prefix else ():
-            spans.append((start, start + length))
-            start += length
-        x = self.img_in(target.to(dtype)).flatten(0, 1)
-        if with_prefix:
-            x = torch.cat([self._embed_prefix(p, dtype, device) for p in prefixes] + [x])
-
+        cache_layers = config.num_layers + int(extra_cache_layers)
         if mode == "prefill":
-            cache.allocate(prefix_lens, config.num_layers, config.num_heads, config.head_dim, dtype, device)
+            cache.allocate(prefix_lens, cache_layers, config.num_heads, config.head_dim, dtype, device)
+            chunks = cache.computed  # (group, first row, end): the rows this prefill computes
         elif mode == "cached":
-            cache.check_compatible(prefix_lens, config.num_layers, config.num_heads, config.head_dim)
+            cache.check_compatible(prefix_lens, cache_layers, config.num_heads, config.head_dim)
+            chunks = ()
+        else:
+            chunks = tuple((g, 0, length) for g, length in enumerate(prefix_lens))
+        spans, start = [], 0
+        for _, first, end in chunks:
+            spans.append((start, start + end - first))
+            start += end - first
+        x = self.img_in(target.to(dtype)).flatten(0, 1)
+        if chunks:
+            embedded = [self._embed_prefix(prefixes[g], dtype, device)[first:end] for g, first, end in chunks]
+            x = torch.cat(embedded + [x])
+        whole = [None] * len(prefixes)
+        for c, (g, first, _) in enumerate(chunks):
+            if first == 0:
+                whole[g] = c
         rows = Rows(
             mode=mode,
             prefix_spans=tuple(spans),
@@ -416,11 +446,13 @@ class QwenImage21DiT(nn.Module):
             samples=samples,
             target_len=target_len,
             readers=_readers(sample_prefix, len(prefixes)),
-            prefix_mod_rows=prefix_mod_rows,
-            rope=self._rope(prefixes, sample_prefix, with_prefix, device),
+            prefix_mod_rows=tuple(prefix_mod_rows[g] for g, _, _ in chunks),
+            rope=self._rope(prefixes, sample_prefix, chunks, device),
             prefix_attention=(
-                self._prefix_attention(prefixes, attention or self.attention, device) if with_prefix else None
+                self._prefix_attention(prefixes, chunks, attention or self.attention, device) if chunks else None
             ),
+            chunk_groups=tuple(g for g, _, _ in chunks),
+            whole=tuple(whole),
         )
         return x, mods, final_scale, rows
 
@@ -446,7 +478,7 @@ class QwenImage21DiT(nn.Module):
         if cache is None:
             raise ValueError(f"mode={mode!r} needs a PrefixKVCache to {'fill' if mode == 'prefill' else 'read'}.")
 
-    def _rope(self, prefixes, sample_prefix, with_prefix: bool, device) -> torch.Tensor:
+    def _rope(self, prefixes, sample_prefix, chunks, device) -> torch.Tensor:
         """The rotations of every buffer row, `(rows, head_dim / 2)` complex; built once per run and reused
         by every step (layouts live for a run, so the memo sits on the first prefix's layout)."""
         axes, theta = self.config.axes_dims_rope, self.config.rope_theta
@@ -458,12 +490,12 @@ class QwenImage21DiT(nn.Module):
             return layout.memo(key, lambda: rope_angles(positions.to(device), axes, theta))
 
         def build():
-            parts = [table(layout, "prefix") for layout in layouts] if with_prefix else []
+            parts = [table(layouts[g], "prefix")[first:end] for g, first, end in chunks]
             parts += [table(layouts[g], "target") for g in sample_prefix]
             # the value keeps the layouts alive, so the identity check below can never match a reused id
             return layouts, torch.cat(parts) if len(parts) > 1 else parts[0]
 
-        key = ("rows_rope", str(device), axes, tuple(map(id, layouts)), tuple(sample_prefix), with_prefix)
+        key = ("rows_rope", str(device), axes, tuple(map(id, layouts)), tuple(sample_prefix), tuple(chunks))
         kept_layouts, rope = layouts[0].memo(key, build)
         if any(a is not b for a, b in zip(kept_layouts, layouts)):
             rope = build()[1]
@@ -484,14 +516,29 @@ class QwenImage21DiT(nn.Module):
             rows[layout.ref_dst.to(device)] = self.img_in(prefix.references.to(device=device, dtype=dtype))
         return rows
 
-    def _prefix_attention(self, prefixes, backend, device):
+    def _prefix_attention(self, prefixes, chunks, backend, device):
+        """`(c, q, k, v, kv) -> out` for chunk c. A whole prefix runs on `backend`; a chunk after a reused leading
+        run reads that run's keys and values from the cache (`kv`) and runs segment-wise on SDPA."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {backend!r}.")
+        masks = {}
         if backend == "flex":
             key = ("flex", str(device))
-            masks = [p.layout.memo(key, lambda p=p: flex_block_mask(p.layout, device)) for p in prefixes]
-            return lambda g, q, k, v: prefix_attention_flex(q, k, v, masks[g])
-        if backend != "sdpa":
-            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {backend!r}.")
-        return lambda g, q, k, v: prefix_attention_sdpa(q, k, v, prefixes[g].layout.segments)
+            for g, first, _ in chunks:
+                if first == 0:
+                    layout = prefixes[g].layout
+                    masks[g] = layout.memo(key, lambda layout=layout: flex_block_mask(layout, device))
+
+        def attend(c, q, k, v, kv=None):  # kv: only a chunk after a held run reads it
+            g, first, _ = chunks[c]
+            segments = prefixes[g].layout.segments
+            if first:
+                return chunk_attention(q, k, v, kv.read_parts(g, first), segments, first)
+            if g in masks:
+                return prefix_attention_flex(q, k, v, masks[g])
+            return prefix_attention_sdpa(q, k, v, segments)
+
+        return attend
 
     @staticmethod
     def _sample_prefix(sample_prefix, num_prefixes: int, samples: int) -> list[int]:

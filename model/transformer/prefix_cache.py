@@ -4,36 +4,122 @@ Valid only because prefix rows (text and references) are modulated with t = 0 an
 target: their keys and values are the same at every denoising step. The first step (prefill) fills the
 cache; later steps run only the target rows and attend over `[cached prefix | target]`.
 
-The cache owns exactly its payload: one `(layers, 2, P, heads, head_dim)` tensor per distinct prefix,
-written with `copy_` from the prefill's keys and values, never a view that would pin the prefill buffers.
-All samples of a batch that share a prompt read the same copy.
+The cache owns exactly its payload: `(layers, 2, rows, heads, head_dim)` tensors written with `copy_` from the
+prefill's keys and values, never views that would pin the prefill buffers. All samples of a batch that share a
+prompt read the same copy.
+
+Prefixes form a tree rather than a list: each prompt's rows are a chain of *parts*, row ranges of payload
+tensors. A prompt that starts like another (CFG's negative after the same references, a new instruction after
+a kept prompt's references) reads the other's tensor for the shared leading run and owns only the rows after it,
+which the prefill computes as a chunk (`plan` says which, `allocate` makes the chunks). Shared tensors are
+counted and held once; a part is a row range of a tensor, so a run can start from the first rows of another.
 """
 
 import torch
 
 
+def _truncate(parts, rows: int) -> list:
+    """The parts covering the first `rows` rows of a chain of `(tensor, start, end)` parts."""
+    out = []
+    for tensor, start, end in parts:
+        if rows <= 0:
+            break
+        take = min(end - start, rows)
+        out.append((tensor, start, start + take))
+        rows -= take
+    if rows > 0:
+        raise ValueError("a reused prefix part is shorter than the rows planned from it.")
+    return out
+
+
 class PrefixKVCache:
     """Keys and values of one or more distinct prefixes (one per prompt of the batch), for every layer.
 
-    `kv[g]` is `(layers, 2, P_g, heads, head_dim)`: `[layer, 0]` keys and `[layer, 1]` values, post norm and
-    RoPE. Build it empty, let the model's prefill fill it, then pass it to the cached steps.
+    `parts[g]` is prefix g's chain of `(tensor, start, end)`: rows `start:end` of a `(layers, 2, rows, heads,
+    head_dim)` tensor (`[layer, 0]` keys, `[layer, 1]` values, post norm and RoPE). Without a `plan` every prefix is
+    one part of its own tensor (`kv[g]`). Build it empty (optionally `plan` what it may reuse), let the model's
+    prefill fill it, then pass it to the cached steps.
     """
 
+    #: Whether prefixes may read rows of other prefixes' tensors (a host-side cache streams whole prefixes).
+    shares_rows = True
+
     def __init__(self):
-        self.kv: list[torch.Tensor] | None = None
+        self.kv: list[torch.Tensor] | None = None  # the distinct payload tensors this cache holds
         self.prefix_lens: tuple[int, ...] = ()
+        self.parts: tuple = ()
+        self.computed: tuple[tuple[int, int, int], ...] = ()  # (group, first row, end) the prefill computes
+        self.runs: tuple = ()  # per prefix its `PrefixRuns` (set by whoever plans reuse; the kept store reads it)
+        self._plan = None
+
+    # -- planned reuse ----------------------------------------------------------------------------------------
+    def plan(self, prefix_lens, bases) -> None:
+        """Say where each prefix's leading rows come from before the prefill allocates: `bases[g]` is None (all
+        rows computed), `("parts", parts, rows)` (the first `rows` rows are the given parts of a kept cache) or
+        `("group", h, rows)` (the first `rows` rows of prefix h < g of this cache)."""
+        lens = tuple(int(p) for p in prefix_lens)
+        if len(bases) != len(lens):
+            raise ValueError(f"plan: {len(bases)} bases for {len(lens)} prefixes.")
+        for g, base in enumerate(bases):
+            if base is not None and not (0 <= base[2] <= lens[g] and (base[0] == "parts" or base[1] < g)):
+                raise ValueError(f"plan: prefix {g} cannot start from {base[:1]} with {base[2]} rows.")
+        self.free()
+        self._plan = (lens, tuple(bases))
+
+    @property
+    def planned_rows(self) -> int:
+        """Rows the planned prefill will compute (all of them without a plan, once allocated: `computed`)."""
+        if self._plan is None:
+            return sum(end - start for _, start, end in self.computed)
+        lens, bases = self._plan
+        return sum(p - (b[2] if b else 0) for p, b in zip(lens, bases))
 
     # -- filled by the model ------------------------------------------------------------------------------
     def allocate(self, prefix_lens, layers: int, heads: int, head_dim: int, dtype, device) -> None:
+        """Make the tensors the prefill fills: one per prefix, or with a `plan` one per prefix for its rows after
+        the reused leading run (none when nothing is left to compute)."""
+        lens = tuple(int(p) for p in prefix_lens)
+        plan, self._plan = self._plan, None
+        if plan is not None and plan[0] != lens:
+            raise ValueError(f"the prefix cache was planned for prefixes of {list(plan[0])} tokens, this step has "
+                             f"{list(lens)}.")
+        bases = plan[1] if plan is not None else (None,) * len(lens)
         self.free()
-        self.prefix_lens = tuple(int(p) for p in prefix_lens)
-        self.kv = [
-            torch.empty(layers, 2, p, heads, head_dim, dtype=dtype, device=device) for p in self.prefix_lens
-        ]
+        self.prefix_lens = lens
+        tensors, parts, computed = [], [], []
+        for g, (length, base) in enumerate(zip(lens, bases)):
+            reused = 0 if base is None else base[2]
+            if base is None:
+                chain = []
+            elif base[0] == "parts":
+                chain = _truncate(base[1], reused)
+            else:
+                chain = _truncate(parts[base[1]], reused)
+            if reused < length:
+                tensor = torch.empty(layers, 2, length - reused, heads, head_dim, dtype=dtype, device=device)
+                chain.append((tensor, 0, length - reused))
+                computed.append((g, reused, length))
+            parts.append(tuple(chain))
+            for tensor, _, _ in chain:
+                if not any(tensor is t for t in tensors):
+                    tensors.append(tensor)
+        for tensor in tensors:
+            shape = tuple(tensor.shape)
+            if (shape[0], shape[1], shape[3], shape[4]) != (layers, 2, heads, head_dim) or tensor.device != \
+                    torch.device(device) or tensor.dtype != dtype:
+                raise ValueError(f"a reused prefix part is {shape} {tensor.dtype} on {tensor.device}; this model "
+                                 f"needs ({layers}, 2, rows, {heads}, {head_dim}) {dtype} on {device}.")
+        self.kv, self.parts, self.computed = tensors, tuple(parts), tuple(computed)
 
     def layer_kv(self, layer: int) -> "LayerKV":
         """This cache as one block sees it: its own layer's keys and values."""
         return LayerKV(self, layer)
+
+    def own_part(self, group: int):
+        """`(tensor, start, end)` of the rows the prefill computes for `group` (its last part)."""
+        if not any(g == group for g, _, _ in self.computed):
+            raise ValueError(f"prefix {group} computes no rows in this prefill (all of them are reused).")
+        return self.parts[group][-1]
 
     # -- lifetime -----------------------------------------------------------------------------------------
     @property
@@ -42,25 +128,36 @@ class PrefixKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: `2 * layers * heads * head_dim * prefix_tokens * itemsize`, summed over prefixes."""
+        """Bytes held: `2 * layers * heads * head_dim * rows * itemsize` over the distinct tensors (a run shared
+        by two prefixes counts once)."""
         if self.kv is None:
             return 0
         return sum(t.numel() * t.element_size() for t in self.kv)
 
     @property
+    def reused_rows(self) -> int:
+        """Prefix rows this cache holds that its prefill did not compute (kept or shared with another prefix)."""
+        return sum(self.prefix_lens) - sum(end - start for _, start, end in self.computed)
+
+    @property
     def device(self) -> torch.device | None:
-        return None if self.kv is None else self.kv[0].device
+        return None if not self.kv else self.kv[0].device
 
     def to(self, device) -> "PrefixKVCache":
-        """Move the payload (e.g. to CPU while the model is offloaded); returns self."""
+        """Move the payload (e.g. to CPU while the model is offloaded); returns self. Shared tensors stay shared."""
         if self.kv is not None:
-            self.kv = [t.to(device) for t in self.kv]
+            moved = {id(t): t.to(device) for t in self.kv}
+            self.kv = [moved[id(t)] for t in self.kv]
+            self.parts = tuple(tuple((moved[id(t)], s, e) for t, s, e in chain) for chain in self.parts)
         return self
 
     def free(self) -> None:
-        """Drop the payload now; the object can be filled again by another prefill."""
+        """Drop this cache's references to the payload now (a tensor another cache also holds lives on there);
+        the object can be filled again by another prefill."""
         self.kv = None
         self.prefix_lens = ()
+        self.parts = ()
+        self.computed = ()
 
     def check_compatible(self, prefix_lens, layers: int, heads: int, head_dim: int) -> None:
         if self.kv is None:
@@ -88,12 +185,24 @@ class LayerKV:
         self.cache, self.layer = cache, layer
 
     def store(self, group: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Copy prefix `group`'s keys/values `(P, heads, head_dim)` into the cache's own storage."""
-        entry = self.cache.kv[group][self.layer]
-        entry[0].copy_(key)
-        entry[1].copy_(value)
+        """Copy the keys/values `(rows, heads, head_dim)` the prefill computed for prefix `group` (all its rows, or
+        those after its reused leading run) into the cache's own storage."""
+        tensor, start, end = self.cache.own_part(group)
+        entry = tensor[self.layer]
+        entry[0, start:end].copy_(key)
+        entry[1, start:end].copy_(value)
+
+    def read_parts(self, group: int, rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Prefix `group`'s keys and values as views `[(k, v), ...]` in row order (its first `rows` rows if given)."""
+        chain = self.cache.parts[group]
+        if rows is not None:
+            chain = _truncate(chain, rows)
+        return [(t[self.layer, 0, s:e], t[self.layer, 1, s:e]) for t, s, e in chain]
 
     def read(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefix `group`'s keys and values `(P, heads, head_dim)` for this layer."""
-        entry = self.cache.kv[group][self.layer]
-        return entry[0], entry[1]
+        """Prefix `group`'s keys and values `(P, heads, head_dim)` for this layer (a copy only when it is made of
+        several parts)."""
+        parts = self.read_parts(group)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])

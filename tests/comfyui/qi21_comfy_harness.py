@@ -115,6 +115,24 @@ def tiny_checkpoint_writer():
     return module.write_tiny_checkpoints
 
 
+#: The official templates' int8 ConvRot names (workflows/official_*.json load them), as copies of the tiny bf16 files:
+#: the graphs' tests need the names; the int8 format itself is tested in tests/test_quantized.py.
+TEMPLATE_ALIASES = {
+    "diffusion_models": {"qwen_image_2.1_int8_convrot.safetensors": "qwen_image_2.1_bf16.safetensors",
+                         "qwen_image_2.1_turbo_int8_convrot.safetensors": "qwen_image_2.1_turbo_bf16.safetensors"},
+    "text_encoders": {"qwen3vl_8b_int8_convrot.safetensors": "qwen3vl_8b_bf16.safetensors"},
+}
+
+
+def write_template_aliases(models: Path) -> None:
+    for folder, names in TEMPLATE_ALIASES.items():
+        for alias, original in names.items():
+            shutil.copyfile(models / folder / original, models / folder / alias)
+            tokenizer = models / folder / (Path(original).stem + "_tokenizer")
+            if tokenizer.is_dir():  # the text encoder's tokenizer sits beside it under the file's stem
+                shutil.copytree(tokenizer, models / folder / (Path(alias).stem + "_tokenizer"), dirs_exist_ok=True)
+
+
 # -- input images -----------------------------------------------------------------------------------------------
 def load_image_names(workflow_files) -> list[str]:
     """File names that LoadImage nodes of these workflows (API or UI form) read from input/."""
@@ -193,6 +211,7 @@ class ComfyServer:
         for name in ("custom_nodes", "input", "output", "temp", "user/default"):
             (self.base / name).mkdir(parents=True, exist_ok=True)
         write_tiny_checkpoints(self.base / "models")
+        write_template_aliases(self.base / "models")
         self.pack_link.symlink_to(REPO, target_is_directory=True)
         for index, name in enumerate(load_image_names(api_workflows() + ui_workflows())):
             write_input_image(self.base / "input" / name, index)
@@ -353,6 +372,7 @@ def shrink_prompt(prompt: dict) -> tuple[dict, list[str]]:
     """A copy that runs in seconds on a CPU: sampler sides 256 (0 = follow the reference or the latent_image stays
     0 when there is one), at most 3 Base steps, references at resolution <= 288. Returns (copy, what changed)."""
     small, changes = copy.deepcopy(prompt), []
+    changes += without_prompt_enhancer(small)
 
     def cap(node_id, inputs, name, value):
         if name in inputs and inputs[name] != value:
@@ -372,6 +392,33 @@ def shrink_prompt(prompt: dict) -> tuple[dict, list[str]]:
         elif kind == "QI21Reference" and isinstance(inputs.get("resolution"), int) and inputs["resolution"] != 0:
             cap(node_id, inputs, "resolution", min(inputs["resolution"], SMALL_REFERENCE_RESOLUTION))
     return small, changes
+
+
+def without_prompt_enhancer(prompt: dict) -> list[str]:
+    """Take the prompt-enhancer step out of `prompt` (in place; no PE model can be made here): each TextGenerate
+    and what only it reads go, and a switch's `on_true` takes its `on_false` (the switch is off in the examples, so
+    the graph runs as it would). Returns what changed."""
+    gone = {node_id for node_id, node in prompt.items() if node.get("class_type") == "TextGenerate"}
+    if not gone:
+        return []
+    for node in prompt.values():
+        if node.get("class_type") == "ComfySwitchNode" and _linked_id(node["inputs"].get("on_true")) in gone:
+            node["inputs"]["on_true"] = node["inputs"]["on_false"]
+    while True:  # drop nodes that no longer feed anything but removed ones
+        used = {_linked_id(v) for node_id, node in prompt.items() if node_id not in gone
+                for v in node.get("inputs", {}).values()}
+        orphans = {node_id for node_id in set(prompt) - gone - used
+                   if prompt[node_id]["class_type"] in ("CLIPLoader", "PrimitiveStringMultiline", "ImageBatch")}
+        if not orphans:
+            break
+        gone |= orphans
+    for node_id in gone:
+        del prompt[node_id]
+    return [f"prompt enhancer removed: nodes {sorted(gone, key=int)}"]
+
+
+def _linked_id(value):
+    return str(value[0]) if isinstance(value, list) and len(value) == 2 else None
 
 
 # -- one server per session -------------------------------------------------------------------------------------

@@ -1,0 +1,183 @@
+"""The DiT as a flow-matching denoiser `denoise(x, sigma) -> x0`, for samplers written against that interface
+(ComfyUI's SAMPLER objects and k-diffusion functions, through nodes/bridge.py).
+
+Flow matching with CONST noise scaling: the latent at sigma s is `x = s * noise + (1 - s) * x0`, the DiT predicts
+the velocity `v = noise - x0` at timestep s, so `x0 = x - s * v`. Any sampler that only asks for x0 at the sigmas
+it chooses (Euler, Heun, DPM++, UniPC, ancestral and SDE ones) then runs over our model unchanged.
+
+The prefix cache is the run's (loop.py `sample` owns it, from its first model call to its freeing): the first call
+fills it (prefill), every later call reads it, whatever sigma it asks for and however many calls a step makes. True
+CFG stays one batched forward over both prompts.
+"""
+
+import time
+
+import torch
+from einops import rearrange
+
+from .flow_schedulers import flux_shift
+from .schedule import transformer_timestep
+
+
+class FlowModelSampling:
+    """What ComfyUI's samplers read from a model's `model_sampling`: a flux-style flow model (CONST noise scaling,
+    timestep = sigma) whose sigmas are `flux_shift(mu, t)`. `mu` = the official shift for the image size (Base),
+    0 (the identity) for Turbo's stored grid. With ComfyUI the bridge mixes ComfyUI's CONST class in, so the
+    samplers' `isinstance(..., CONST)` checks pick their flow-matching branches."""
+
+    TABLE = 10_000
+
+    def __init__(self, mu: float = 0.0):
+        self.shift = float(mu)
+        self.sigmas = flux_shift(self.shift, torch.arange(1, self.TABLE + 1) / self.TABLE)
+
+    @property
+    def sigma_min(self) -> torch.Tensor:
+        return self.sigmas[0]
+
+    @property
+    def sigma_max(self) -> torch.Tensor:
+        return self.sigmas[-1]
+
+    def timestep(self, sigma):
+        return sigma
+
+    def sigma(self, timestep):
+        return flux_shift(self.shift, timestep)
+
+    def percent_to_sigma(self, percent: float) -> float:
+        if percent <= 0.0:
+            return 1.0
+        if percent >= 1.0:
+            return 0.0
+        return flux_shift(self.shift, torch.tensor(1.0 - percent)).item()
+
+    # -- CONST noise scaling ---------------------------------------------------------------------------------
+    @staticmethod
+    def _shaped(sigma, like: torch.Tensor) -> torch.Tensor:
+        sigma = torch.as_tensor(sigma, device=like.device)
+        return sigma.reshape(()) if sigma.numel() == 1 else sigma.reshape(-1, *([1] * (like.ndim - 1)))
+
+    def calculate_input(self, sigma, noise):
+        return noise
+
+    def calculate_denoised(self, sigma, model_output, model_input):
+        return model_input - model_output * self._shaped(sigma, model_output)
+
+    def noise_scaling(self, sigma, noise, latent_image, max_denoise=False):
+        sigma = self._shaped(sigma, noise)
+        return sigma * noise + (1.0 - sigma) * latent_image
+
+    def inverse_noise_scaling(self, sigma, latent):
+        return latent / (1.0 - self._shaped(sigma, latent))
+
+
+def sigma_rows(sigma, batch: int) -> torch.Tensor:
+    """A sampler's sigma (a float, a 0-d tensor or one per sample) as fp32 `(batch,)` on the CPU."""
+    sigma = torch.as_tensor(sigma, dtype=torch.float32).detach().to("cpu").reshape(-1)
+    if sigma.numel() not in (1, batch):
+        raise ValueError(f"the sampler passed {sigma.numel()} sigmas for a batch of {batch}.")
+    if not torch.isfinite(sigma).all() or (sigma < 0).any():
+        raise ValueError(f"the sampler asked for the model at sigma {sigma.tolist()}; flow sigmas are >= 0.")
+    return sigma.expand(batch)
+
+
+class FlowDenoiser:
+    """`denoiser(x, sigma) -> x0` over the DiT, `x` `(B, 64, h, w)` normalised latents (any float dtype, fp32
+    result). `parts(x, sigma)` also gives the unguided predictions (CFG++ samplers read them).
+
+    `forward(packed_x, t, mode)` runs the model (CFG rows batched); the first call runs `first_mode` ("prefill",
+    or "cached" when the store held the whole prefix, "uncached" with the cache off), later ones "cached" unless
+    uncached. With `mode_of(sigma) -> mode` instead (the loop's, when the cache depends on the sigma: a control
+    net's window) every call asks it and `forward(packed_x, t, mode, sigma)` gets the sigma too. `on_call(info)`
+    runs after every call (progress, previews, interrupt); `clock`/`modes` record the calls' times and modes for
+    the report."""
+
+    def __init__(self, forward, *, dtype, device, use_cfg: bool, cfg: float, grid, first_mode: str | None = None,
+                 mode_of=None, clock=None, modes=None, on_call=None):
+        if (first_mode is None) == (mode_of is None):
+            raise ValueError("FlowDenoiser needs one of first_mode and mode_of.")
+        self.forward, self.dtype, self.device, self.mode_of = forward, dtype, device, mode_of
+        self.use_cfg, self.cfg, self.first_mode, self.grid = use_cfg, float(cfg), first_mode, tuple(grid)
+        self.clock, self.modes = clock, modes if modes is not None else []
+        self.on_call = on_call
+        self.step = 0  # the sampler step the calls belong to (moved on by the sampler's own callback)
+        self.total_steps = None
+
+    @property
+    def calls(self) -> int:
+        return len(self.modes)
+
+    def __call__(self, x: torch.Tensor, sigma) -> torch.Tensor:
+        return self.parts(x, sigma)[0]
+
+    def parts(self, x: torch.Tensor, sigma):
+        """(guided x0, positive x0, negative x0) fp32 `(B, 64, h, w)`; without CFG all three are the same."""
+        if x.ndim != 4 or tuple(x.shape[-2:]) != self.grid:
+            raise ValueError(f"the sampler passed latents of shape {tuple(x.shape)}; expected (B, 64, "
+                             f"{self.grid[0]}, {self.grid[1]}).")
+        batch = x.shape[0]
+        sig = sigma_rows(sigma, batch)
+        if self.mode_of is not None:
+            mode = self.mode_of(float(sig[0]))
+        else:
+            mode = self.first_mode if not self.modes else ("uncached" if self.first_mode == "uncached" else "cached")
+        self.modes.append(mode)
+        started = self.clock.start() if self.clock is not None else time.perf_counter()
+        packed = rearrange(x, "b c h w -> b (h w) c").to(device=self.device, dtype=self.dtype)
+        t = transformer_timestep(sig, self.dtype).to(self.device)  # rounded through the dtype, as the reference
+        t = torch.cat([t, t]) if self.use_cfg else t
+        v = self.forward(packed, t, mode) if self.mode_of is None else self.forward(packed, t, mode, float(sig[0]))
+        v_pos = v_neg = v
+        if self.use_cfg:
+            v_pos, v_neg = v.chunk(2)
+            v = v_neg + self.cfg * (v_pos - v_neg)
+        x32 = x.to(self.device, torch.float32)
+        shaped = sig.to(self.device).view(-1, 1, 1, 1)
+
+        def clean(velocity):
+            return x32 - shaped * rearrange(velocity.float(), "b (h w) c -> b c h w", h=self.grid[0])
+
+        guided = clean(v)
+        cond, uncond = (clean(v_pos), clean(v_neg)) if self.use_cfg else (guided, guided)
+        if self.clock is not None:
+            self.clock.stop(started)
+        if self.on_call is not None:
+            step = self.step if self.total_steps is None else min(self.step, self.total_steps - 1)
+            self.on_call(CallInfo(self.calls - 1, step, self.total_steps, float(sig[0]), guided))
+        return guided, cond, uncond
+
+    def step_done(self, step: int) -> None:
+        """The sampler reported step `step` (0-based): later calls belong to the next one."""
+        self.step = step + 1
+
+
+class CallInfo:
+    """One model call, for progress and previews: `step` is the sampler step it belongs to (0-based), `denoised`
+    the guided x0 `(B, 64, h, w)` fp32."""
+
+    __slots__ = ("call", "step", "total", "sigma", "denoised")
+
+    def __init__(self, call, step, total, sigma, denoised):
+        self.call, self.step, self.total, self.sigma, self.denoised = call, step, total, sigma, denoised
+
+
+def run_sampler(sampler, denoiser: FlowDenoiser, sigmas: torch.Tensor, noise: torch.Tensor,
+                latent: torch.Tensor | None, mask: torch.Tensor | None, add_noise: bool) -> torch.Tensor:
+    """Run `sampler(denoiser, sigmas, noise, latent, mask) -> x` (fp32 `(B, 64, h, w)`, noise scaling and its
+    inverse done by the sampler as ComfyUI's KSAMPLER does) with ComfyUI's inputs: `noise` (zeros when
+    `add_noise` is off: the latent is already noised), `latent` (zeros without one), `mask` (1 = repaint). The
+    kept region of a masked run that reaches sigma 0 ends as the input latent exactly, as in loop.py."""
+    device = denoiser.device
+    denoiser.total_steps = sigmas.numel() - 1
+    noise = noise.to(device, torch.float32) if add_noise else torch.zeros_like(noise, device=device)
+    latent = torch.zeros_like(noise) if latent is None else latent.to(device, torch.float32)
+    mask = None if mask is None else mask.to(device, torch.float32)
+    x = sampler(denoiser, sigmas.to(device), noise, latent, mask)
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(noise.shape):
+        raise ValueError(f"the sampler returned {type(x).__name__} {tuple(getattr(x, 'shape', ()))}; expected "
+                         f"latents of shape {tuple(noise.shape)}.")
+    x = x.to(device, torch.float32)
+    if mask is not None and float(sigmas[-1]) == 0.0:
+        x = x * mask + latent * (1.0 - mask)
+    return x
