@@ -117,9 +117,10 @@ def load_workflow(path: Path) -> dict[str, dict]:
 # -- the runner ------------------------------------------------------------------------------------------------
 #: Core nodes the official templates' counterparts use that this runner leaves to a real ComfyUI: a ComfyUI sampler
 #: (KSamplerSelect), the prompt enhancer (a language model: CLIPLoader, TextGenerate) and its switch, reference
-#: batching. A workflow with one of them is reported as skipped, naming them; any other unknown node fails it.
+#: batching, and core's edge detector (Canny, the ControlNet example's preprocessor). A workflow with one of them is
+#: reported as skipped, naming them; any other unknown node fails it.
 COMFYUI_ONLY = frozenset({"KSamplerSelect", "CLIPLoader", "TextGenerate", "ComfySwitchNode", "PrimitiveStringMultiline",
-                          "PreviewAny", "ImageBatch"})
+                          "PreviewAny", "ImageBatch", "Canny"})
 
 
 @dataclass

@@ -8,7 +8,7 @@ from . import bridge, placement
 from .bridge import io
 from .loaders import checked_path, default_dtype, file_problem, load_or_free
 from .types import CATEGORY, VAE, ControlNet, Model
-from .validation import require, widget_problem
+from .validation import refuse_unknown_inputs, require, widget_problem
 
 DTYPES = ["default", "bf16", "fp16", "fp32"]
 MAX_STRENGTH = 10.0
@@ -45,7 +45,8 @@ class QI21ControlNetLoader(io.ComfyNode):
         return file_problem(cls, "model_patches", control_net_name, **kwargs)
 
     @classmethod
-    def execute(cls, control_net_name, weight_dtype="default") -> io.NodeOutput:
+    def execute(cls, control_net_name, weight_dtype="default", **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "model_patches", control_net_name, weight_dtype=weight_dtype)
         net = load_or_free(load_controlnet, path, weight_dtype=default_dtype(weight_dtype, bridge.compute_device()),
                     device=bridge.offload_device())
@@ -103,7 +104,8 @@ class QI21ControlNetApply(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, control_net, vae, strength=1.0, start_percent=0.0, end_percent=1.0, control_image=None,
-                inpaint_image=None, mask=None) -> io.NodeOutput:
+                inpaint_image=None, mask=None, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
         require(cls.validate_inputs(start_percent=start_percent, end_percent=end_percent, strength=strength))
         given = {"control_image": control_image, "inpaint_image": inpaint_image, "mask": mask}
         inputs = tuple(name for name, value in given.items() if value is not None)

@@ -20,8 +20,9 @@ from ..model.layers.lora import release_branches
 from ..model.memory.estimate import EncoderDims, VAEShape, encode_transient
 from ..model.memory.planner import PLAN_CHOICES, Budget, RunShape, plan_decode, plan_layers, plan_run
 from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
-from ..model.memory.weights import dit_weights, layered_weights, module_tensors, tensor_bytes
+from ..model.memory.weights import dit_weights, layered_weights, module_tensors, run_layers, tensor_bytes
 from ..model.sampling.cache_store import PrefixCacheStore, cache_owner
+from ..model.transformer.controlnet import STREAM_ROW_BUFFERS
 from . import bridge
 
 PLAN_TOOLTIP = ("Where the DiT's weights live while it samples. auto picks the fastest plan that fits the free VRAM: "
@@ -83,8 +84,13 @@ def on_device(module: torch.nn.Module, device: torch.device | None = None, offlo
 def run_shape(model, positive, negative, width: int, height: int, batch: int, prefix_cache: bool) -> RunShape:
     grid = latent_shape(width, height)
     conditionings = [positive] + ([negative] if negative is not None else [])
+    control, layers = getattr(model, "control", None), model.config.num_layers
+    cache_layers = None
+    if control is not None:  # its blocks' K/V, and a partial window's plain cache beside (run_caches.py)
+        cache_layers = layers + control.net.config.num_blocks + (0 if control.whole_schedule else layers)
     return RunShape(tuple(c.layout(grid).prefix_len for c in conditionings), grid, batch, negative is not None,
-                    prefix_cache, tuple(h * w for h, w in positive.ref_shapes))
+                    prefix_cache, tuple(h * w for h, w in positive.ref_shapes), cache_layers=cache_layers,
+                    extra_row_buffers=0 if control is None else STREAM_ROW_BUFFERS)
 
 
 def dit_unloaded(model) -> None:
@@ -129,7 +135,7 @@ class Sampling:
         self.store.set_free(plan.store_budget)  # kept caches beside this run: from what is free, not a constant
         resident = self.weights.total - self.weights.streamed_bytes(plan.streamed)
         beside = plan.sampling_peak - resident  # the run's activations, cache and streaming slots
-        device = place(self.model, self.model.blocks, plan.streamed, on_unload=dit_unloaded,
+        device = place(self.model, run_layers(self.model), plan.streamed, on_unload=dit_unloaded,
                        memory_required=max(0, beside))
         measure = device.type == "cuda"
         if measure:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import controlnet_fixtures as cf
+from qi21.demo import tiny_checkpoints as tiny
 from qi21.model.conditioning import Conditioning
 from qi21.model.control import control_latents
 from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
@@ -14,7 +15,6 @@ from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
 from qi21.model.vae import QwenImage21VAE
-from qi21.demo import tiny_checkpoints as tiny
 
 GRID = (4, 6)
 WIDTH, HEIGHT = GRID[1] * 16, GRID[0] * 16
@@ -138,3 +138,37 @@ def test_a_comfy_style_sampler_across_the_window_keeps_the_cache_exact(pair, net
     assert set(on.report["control"]["cache_bytes"]) == {"base", "control", "base_uncontrolled"}
     plain = run(model, conditioning(), sampler=heun, negative=negative, cfg=cfg)
     assert (plain.latents - on.latents).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("cache", ["device", "host"])
+def test_streamed_control_blocks_run_bit_identically_to_resident(pair, net, vae, cache):
+    from qi21.model.memory.streaming import StreamedRun
+    from qi21.model.memory.weights import run_layers
+
+    _, model = pair
+    patched = controlled(model, net, vae, window=(0.2, 0.8))
+    layers = run_layers(patched)
+    assert layers[1] is patched.control_net.blocks[0] and layers[4] is patched.control_net.blocks[1]
+    resident = run(patched, conditioning())
+    streamed = (1, 2, 4)  # both control blocks and a base block between them
+    with StreamedRun(patched, streamed, cache) as streamed_run:
+        result = run(patched, conditioning(), new_cache=streamed_run.new_cache)
+    assert streamed_run.streamer.copies > 0
+    torch.testing.assert_close(result.latents, resident.latents, rtol=0, atol=0)
+
+
+def test_the_planner_counts_the_control_layers_of_the_cache(pair, net, vae):
+    from qi21.model.memory.planner import RunShape, run_estimate
+
+    _, model = pair
+    config = model.config
+    plain = RunShape((24,), GRID)
+    whole = RunShape((24,), GRID, cache_layers=config.num_layers + 2, extra_row_buffers=3)
+    window = RunShape((24,), GRID, cache_layers=2 * config.num_layers + 2, extra_row_buffers=3)
+    bytes_of = {name: run_estimate(config, shape, 4).cache for name, shape in
+                (("plain", plain), ("whole", whole), ("window", window))}
+    measured = {}
+    for name, window_of in (("whole", (0.0, 1.0)), ("window", (0.2, 0.8))):
+        measured[name] = run(controlled(model, net, vae, window=window_of), conditioning()).report["cache_bytes"]
+    measured["plain"] = run(model, conditioning()).report["cache_bytes"]
+    assert bytes_of == measured  # 1.5x the plain cache, and 2.5x with a partial window (both held)

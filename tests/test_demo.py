@@ -362,10 +362,13 @@ def test_the_shipped_workflows_run_green_on_the_tiny_set(tmp_path, tiny_models, 
         capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["workflows"]) == len(SHIPPED)
-    ran = [w for w in summary["workflows"] if not w["workflow"].startswith("official_")]
+    core_only = {w["workflow"] for w in summary["workflows"]
+                 if w["workflow"].startswith("official_") or w["workflow"] == "controlnet_canny"}
+    ran = [w for w in summary["workflows"] if w["workflow"] not in core_only]
     assert ran and all(w["ok"] and w["images"] for w in ran)
-    # the official templates' counterparts use core nodes (KSamplerSelect, the prompt enhancer): a real ComfyUI runs
-    # them (tests/test_comfyui_server.py); here they are skipped by name, never counted as run
+    assert "controlnet_inpaint" in {w["workflow"] for w in ran}
+    # the official templates' counterparts and the canny example use core nodes (KSamplerSelect, the prompt
+    # enhancer, Canny): a real ComfyUI runs them (tests/test_comfyui_server.py); here they are skipped by name
     for w in summary["workflows"]:
-        if w["workflow"].startswith("official_"):
+        if w["workflow"] in core_only:
             assert not w["ok"] and w["skipped"].startswith("needs ComfyUI for its core nodes"), w

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..transformer.dit import DiTConfig
-from .estimate import GIB, VAEShape, decode_transient, estimate_run
+from .estimate import GIB, RunEstimate, VAEShape, decode_transient, estimate_run
 from .slots import STREAM_SLOTS
 from .weights import LINEAR_ITEMSIZE, LayeredWeights, synthetic_dit_weights
 
@@ -99,6 +99,9 @@ class RunShape:
         cfg: true CFG (two passes per step, batched).
         prefix_cache: whether the prefix is cached.
         reference_tokens: latent tokens of each reference of the positive prompt (for the advice in errors).
+        cache_layers: layers the run's prefix caches hold together (None: the DiT's blocks). A Fun ControlNet adds
+            its blocks' layers, and a partial window a plain cache beside the controlled one (run_caches.py).
+        extra_row_buffers: `(rows, width)` buffers a step holds besides the DiT's (a control stream: 3).
     """
 
     prefix_tokens: tuple[int, ...]
@@ -107,6 +110,8 @@ class RunShape:
     cfg: bool = False
     prefix_cache: bool = True
     reference_tokens: tuple[int, ...] = ()
+    cache_layers: int | None = None
+    extra_row_buffers: int = 0
 
     @property
     def target_tokens(self) -> int:
@@ -202,19 +207,28 @@ def spread(count: int, total: int) -> tuple[int, ...]:
     return tuple(sorted({min(total - 1, int((i + 0.5) * total / count)) for i in range(count)}))
 
 
+def run_estimate(config: DiTConfig, run: RunShape, itemsize: int, cached: bool = True, prefix=None) -> RunEstimate:
+    """`estimate_run` for this run: its caches' layers (`run.cache_layers`) and a control stream's buffers."""
+    prefix = list(run.prefix_tokens) if prefix is None else list(prefix)
+    full = estimate_run(config, prefix, run.target_tokens, run.batch, run.cfg, itemsize, cached)
+    layers = run.cache_layers or config.num_layers
+    return replace(full, cache=full.cache * layers // config.num_layers,
+                   step=full.step + run.extra_row_buffers * full.rows * config.width * itemsize)
+
+
 def sampling_phases(weights: LayeredWeights, config: DiTConfig, run: RunShape, itemsize: int,
                     streamed=(), cache: str = "device", unified: bool = False) -> dict[str, int]:
     """Predicted device peak of each sampling phase with these choices (bytes)."""
     prefix = list(run.prefix_tokens)
     cached = cache != "off"
-    full = estimate_run(config, prefix, run.target_tokens, run.batch, run.cfg, itemsize, cached)
-    targets_only = estimate_run(config, [], run.target_tokens, run.batch, run.cfg, itemsize, False)
+    full = run_estimate(config, run, itemsize, cached)
+    targets_only = run_estimate(config, run, itemsize, False, prefix=[])
     # off the CPU each sample's keys and values are [prefix | target] concatenated for the target attention
     concat = 0 if unified else 2 * run.batch * (max(prefix, default=0) + run.target_tokens) * config.width * itemsize
     base = weights.device_bytes(streamed) + full.latents + concat + (0 if unified else DEVICE_OVERHEAD)
     if not cached:
         return {"uncached": base + full.step}
-    per_layer = full.cache // config.num_layers
+    per_layer = full.cache // (run.cache_layers or config.num_layers)
     on_device = full.cache if cache == "device" else STREAM_SLOTS * per_layer
     return {
         "prefill": base + full.step + (full.cache if cache == "device" else 0),
@@ -241,8 +255,7 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
         raise ValueError(f"the plan choice must be one of {PLAN_CHOICES}, got {choice!r}.")
     n = len(weights.layers)
     vae = vae or VAEShape.released(itemsize)
-    cache_bytes = estimate_run(config, list(run.prefix_tokens), run.target_tokens, run.batch, run.cfg,
-                               itemsize).cache
+    cache_bytes = run_estimate(config, run, itemsize).cache
     if not run.prefix_cache:
         caches = ("off",)
     elif budget.unified:

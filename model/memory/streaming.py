@@ -31,6 +31,7 @@ from torch import nn
 from ..transformer.prefix_cache import PrefixKVCache
 from .host_cache import HostPrefixKVCache, release_cache_slots
 from .slots import SLOT_ALIGN, STREAM_SLOTS, SlotRing, slot_layout
+from .weights import run_layers
 
 
 def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -230,7 +231,7 @@ class StreamedRun:
         self.model = model
         self.cache = cache
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.streamer = LayerStreamer(model.blocks, streamed, self.device)
+        self.streamer = LayerStreamer(run_layers(model), streamed, self.device)
 
     def new_cache(self) -> PrefixKVCache:
         return HostPrefixKVCache(self.device) if self.cache == "host" else PrefixKVCache()

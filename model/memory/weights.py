@@ -88,8 +88,20 @@ def weight_format(model: nn.Module) -> str:
 
 
 
+def run_layers(model: QwenImage21DiT) -> list[nn.Module]:
+    """The blocks one step runs, in the order it runs them: the DiT's, and on a Fun ControlNet copy each control
+    block right after its base block (transformer/controlnet.py). What the planner counts and streaming streams,
+    so a control net's blocks are streamed like the DiT's when they do not fit."""
+    control = getattr(model, "control", None)
+    if control is None:
+        return list(model.blocks)
+    base = len(model.blocks)
+    net_blocks = model.control_net.blocks  # the copy's own child (what its forward runs)
+    return [model.blocks[i] if i < base else net_blocks[i - base] for i in control.read_order(base)]
+
+
 def dit_weights(model: QwenImage21DiT) -> LayeredWeights:
-    return layered_weights(model, model.blocks, weight_format(model))
+    return layered_weights(model, run_layers(model), weight_format(model))
 
 
 

@@ -264,7 +264,9 @@ def sample(
         control.hint(grid, device, dtype)  # the control latent (VAE encodes) before the first step's clock
 
     def stream(controlled: bool):
-        return control.stream(grid, model.config.num_layers, device, dtype) if controlled else None
+        if not controlled:
+            return None
+        return control.stream(grid, model.config.num_layers, device, dtype, net=model.control_net)
 
     # the caches are planned on first use: a kept entry they take out of the store is handled by `close` below
     caches = RunCaches(model, prefixes, runs, store=store, keep_cache=keep_cache, new_cache=new_cache, device=device,

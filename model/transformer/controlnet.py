@@ -28,6 +28,8 @@ from .dit import Block, DiTConfig, Rows
 from .prefix_cache import PrefixKVCache
 
 CONTROL_IN_DIM = 129  # 64 control latent channels, 1 keep-mask channel, 64 inpaint latent channels
+#: `(rows, width)` buffers a controlled step holds besides the DiT's: the control state c, the kept X, one skip.
+STREAM_ROW_BUFFERS = 3
 #: ComfyUI runs Qwen-Image 2.1 as ModelType.FLUX with shift (mu) 0.69: its `percent_to_sigma` for the window.
 WINDOW_SHIFT = 0.69
 
@@ -202,6 +204,11 @@ class ControlPatch:
     def sigma_end(self) -> float:
         return percent_to_sigma(self.end_percent)
 
+    @property
+    def whole_schedule(self) -> bool:
+        """Whether the window is the whole schedule (then a run holds the controlled cache only)."""
+        return self.start_percent <= 0.0 and self.end_percent >= 1.0
+
     def active(self, sigma: float) -> bool:
         """Whether the control applies at this sigma (core: `sigma_end <= sigma <= sigma_start`)."""
         return self.sigma_end <= float(sigma) <= self.sigma_start
@@ -232,9 +239,12 @@ class ControlPatch:
                 order.append(base_layers + after[i])
         return tuple(order)
 
-    def stream(self, grid, base_layers: int, device, dtype) -> ControlStream:
-        """The control stream for one forward at this target size, beside a DiT of `base_layers` blocks."""
-        return ControlStream(self.net, self.layers, self.hint(grid, device, dtype), self.strength, base_layers)
+    def stream(self, grid, base_layers: int, device, dtype, net: FunControlNet | None = None) -> ControlStream:
+        """The control stream for one forward at this target size, beside a DiT of `base_layers` blocks. `net`: the
+        model copy's own `control_net` child (a LoRA applied on top clones it; the weights are the same), so the
+        blocks that run are the ones the copy streams and moves; default `self.net`."""
+        return ControlStream(net if net is not None else self.net, self.layers, self.hint(grid, device, dtype),
+                             self.strength, base_layers)
 
     def report(self) -> dict:
         return {"file": self.name, "strength": self.strength, "window": [self.start_percent, self.end_percent],
