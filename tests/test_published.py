@@ -25,7 +25,8 @@ DOCS = [ROOT / "README.md", ROOT / "workflows" / "README.md", *sorted((ROOT / "d
 #: loader node -> (its file widget, the models folder it reads)
 LOADERS = {"QI21ModelLoader": ("model_name", "diffusion_models"), "QI21TextEncoderLoader": ("text_encoder_name",
            "text_encoders"), "QI21VAELoader": ("vae_name", "vae"), "QI21LoraLoader": ("lora_name", "loras"),
-           "CLIPLoader": ("clip_name", "text_encoders")}  # core's loader of the prompt enhancer (official_*)
+           "CLIPLoader": ("clip_name", "text_encoders"),  # core's loader of the prompt enhancer (official_*)
+           "QI21ControlNetLoader": ("control_net_name", "model_patches")}
 HF_LINK = re.compile(r"https?://huggingface\.co/Comfy-Org/Qwen-Image-2\.1[^\s)\"'`>\]]*")
 
 
