@@ -6,7 +6,9 @@
 
 A batch of B seeds shares one prefix copy. True CFG (cfg > 1 with a negative prompt) puts the negative
 prompt's prefix next to the positive's in the same cache and runs both halves as one forward; the rows are
-ragged, so the two prompts need no padding and the result equals two separate passes.
+ragged, so the two prompts need no padding and the result equals two separate passes. A Fun ControlNet copy
+runs its control stream on the steps of its window, which read a controlled cache (the control's layers added);
+the steps outside read a plain one (`run_caches.py` owns both).
 
 Numerics follow diffusers' QwenImage21Pipeline: sigmas from `schedule.py`, the timestep rounded through the
 latent dtype, the Euler update in fp32, the latents kept in the model's dtype between steps.
