@@ -97,7 +97,6 @@ class HostPrefixKVCache(PrefixKVCache):
         return order[(order.index(layer) + 1) % len(order)]
 
 
-
 class HostLayerKV(LayerKV):
     """One layer of a `HostPrefixKVCache`: `store` copies out to the host, `read` returns device tensors."""
 
