@@ -131,8 +131,20 @@ def test_a_comfy_style_sampler_across_the_window_keeps_the_cache_exact(pair, net
     _, model = pair
     patched = controlled(model, net, vae, window=(0.2, 0.8))
     negative = conditioning(tail_seed=4) if cfg > 1 else None
-    on = run(patched, conditioning(), sampler=heun, negative=negative, cfg=cfg)
-    off = run(patched, conditioning(), sampler=heun, negative=negative, cfg=cfg, prefix_cache=False)
+    calls = []  # (mode, controlled) of every DiT call
+    hook = patched.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((kwargs["mode"], kwargs["control"] is not None)), with_kwargs=True)
+    try:
+        on = run(patched, conditioning(), sampler=heun, negative=negative, cfg=cfg)
+        on_calls, calls[:] = list(calls), []
+        off = run(patched, conditioning(), sampler=heun, negative=negative, cfg=cfg, prefix_cache=False)
+    finally:
+        hook.remove()
+    # each phase's cache is filled by its first call and read by every later one; the cache off stays off
+    for phase in (False, True):
+        modes = [mode for mode, c in on_calls if c == phase]
+        assert modes and modes == ["prefill"] + ["cached"] * (len(modes) - 1), (phase, modes)
+    assert {mode for mode, _ in calls} == {"uncached"} and len(calls) == 15
     torch.testing.assert_close(on.latents, off.latents, rtol=0, atol=TOL)
     assert on.report["model_calls"] == 15 and on.report["cache"] == "miss"
     assert set(on.report["control"]["cache_bytes"]) == {"base", "control", "base_uncontrolled"}

@@ -27,13 +27,13 @@ GRID = (2, 3)
 
 # ---- the denoiser ------------------------------------------------------------------------------------------
 class RecordingForward:
-    """A stand-in DiT call: records (rows, t, mode); the velocity of row r is `r + 1` times the input."""
+    """A stand-in DiT call: records (rows, t, mode, sigma); the velocity of row r is `r + 1` times the input."""
 
     def __init__(self):
         self.calls = []
 
-    def __call__(self, packed, t, mode):
-        self.calls.append((packed.clone(), t.clone(), mode))
+    def __call__(self, packed, t, mode, sigma):
+        self.calls.append((packed.clone(), t.clone(), mode, sigma))
         rows = packed.repeat(t.shape[0] // packed.shape[0], 1, 1)  # CFG: the DiT call doubles the rows
         return rows * torch.arange(1, rows.shape[0] + 1, dtype=packed.dtype).view(-1, 1, 1)
 
@@ -59,38 +59,40 @@ def test_model_sampling_is_the_const_flow_scaling():
 def test_denoiser_gives_x_minus_sigma_v_with_the_reference_timestep():
     forward = RecordingForward()
     denoiser = FlowDenoiser(forward, dtype=torch.float32, device=torch.device("cpu"), use_cfg=False, cfg=1.0,
-                            first_mode="prefill", grid=GRID)
+                            mode_of=lambda sigma: "prefill" if sigma > 0.5 else "cached", grid=GRID)
     x = torch.randn(2, 64, *GRID)
     got = denoiser(x, torch.tensor([0.6, 0.6]))
-    packed, t, mode = forward.calls[0]
+    packed, t, mode, _ = forward.calls[0]
     assert mode == "prefill" and packed.shape == (2, 6, 64)
     torch.testing.assert_close(packed[0, 4], x[0, :, 1, 1])  # row-major tokens: (1, 1) is token 1 * 3 + 1
     torch.testing.assert_close(t, torch.tensor([0.6, 0.6]))
     velocity = x * torch.tensor([1.0, 2.0]).view(-1, 1, 1, 1)
     torch.testing.assert_close(got, x - 0.6 * velocity)
     denoiser(x, 0.3)  # a float sigma, off any schedule
-    assert [c[2] for c in forward.calls] == ["prefill", "cached"]
+    # each call runs in the mode the loop's `mode_of` gives for its sigma, and the forward gets that sigma
+    assert [(c[2], c[3]) for c in forward.calls] == [("prefill", pytest.approx(0.6)), ("cached", pytest.approx(0.3))]
+    assert denoiser.modes == ["prefill", "cached"]
 
 
 def test_bf16_timestep_is_rounded_as_the_reference_pipeline_does():
     forward = RecordingForward()
     denoiser = FlowDenoiser(forward, dtype=torch.bfloat16, device=torch.device("cpu"), use_cfg=False, cfg=1.0,
-                            first_mode="uncached", grid=GRID)
+                            mode_of=lambda sigma: "uncached", grid=GRID)
     denoiser(torch.randn(1, 64, *GRID), torch.tensor(0.986964))
     denoiser(torch.randn(1, 64, *GRID), torch.tensor(0.5))
     t = forward.calls[0][1]
     assert t.dtype == torch.bfloat16 and t.item() == pytest.approx(0.988281, abs=1e-6)  # T 988 -> 988 / 1000
-    assert [c[2] for c in forward.calls] == ["uncached", "uncached"]  # the cache off stays off
+    assert [c[2] for c in forward.calls] == ["uncached", "uncached"]  # as mode_of says (the loop's: cache off)
 
 
 def test_cfg_rows_run_in_one_forward_and_are_combined():
     forward = RecordingForward()
     denoiser = FlowDenoiser(forward, dtype=torch.float32, device=torch.device("cpu"), use_cfg=True, cfg=4.0,
-                            first_mode="prefill", grid=GRID)
+                            mode_of=lambda sigma: "prefill", grid=GRID)
     x = torch.randn(1, 64, *GRID)
     guided, cond, uncond = denoiser.parts(x, torch.tensor([0.5]))
     assert len(forward.calls) == 1
-    packed, t, _ = forward.calls[0]
+    packed, t, _, _ = forward.calls[0]
     assert packed.shape[0] == 1 and t.shape == (2,)  # the DiT doubles the rows (loop.py); t per row
     v_pos, v_neg = x * 1.0, x * 2.0  # rows 1 and 2 of the recording forward
     torch.testing.assert_close(cond, x - 0.5 * v_pos)
@@ -100,7 +102,7 @@ def test_cfg_rows_run_in_one_forward_and_are_combined():
 
 def test_bad_sampler_calls_are_refused_clearly():
     denoiser = FlowDenoiser(RecordingForward(), dtype=torch.float32, device=torch.device("cpu"), use_cfg=False,
-                            cfg=1.0, first_mode="prefill", grid=GRID)
+                            cfg=1.0, mode_of=lambda sigma: "prefill", grid=GRID)
     with pytest.raises(ValueError, match="shape"):
         denoiser(torch.randn(1, 64, 3, 3), 0.5)
     with pytest.raises(ValueError, match="3 sigmas for a batch of 2"):

@@ -86,19 +86,16 @@ class FlowDenoiser:
     """`denoiser(x, sigma) -> x0` over the DiT, `x` `(B, 64, h, w)` normalised latents (any float dtype, fp32
     result). `parts(x, sigma)` also gives the unguided predictions (CFG++ samplers read them).
 
-    `forward(packed_x, t, mode)` runs the model (CFG rows batched); the first call runs `first_mode` ("prefill",
-    or "cached" when the store held the whole prefix, "uncached" with the cache off), later ones "cached" unless
-    uncached. With `mode_of(sigma) -> mode` instead (the loop's, when the cache depends on the sigma: a control
-    net's window) every call asks it and `forward(packed_x, t, mode, sigma)` gets the sigma too. `on_call(info)`
-    runs after every call (progress, previews, interrupt); `clock`/`modes` record the calls' times and modes for
-    the report."""
+    `forward(packed_x, t, mode, sigma)` runs the model (CFG rows batched) in the mode `mode_of(sigma)` says: the
+    loop's, which owns the cache ("prefill" until the cache that sigma reads is filled, then "cached"; "uncached"
+    with the cache off), whatever sigma a sampler asks for and however many calls a step makes. `on_call(info)` runs
+    after every call (progress, previews, interrupt); `clock`/`modes` record the calls' times and modes for the
+    report."""
 
-    def __init__(self, forward, *, dtype, device, use_cfg: bool, cfg: float, grid, first_mode: str | None = None,
-                 mode_of=None, clock=None, modes=None, on_call=None):
-        if (first_mode is None) == (mode_of is None):
-            raise ValueError("FlowDenoiser needs one of first_mode and mode_of.")
+    def __init__(self, forward, *, dtype, device, use_cfg: bool, cfg: float, grid, mode_of, clock=None, modes=None,
+                 on_call=None):
         self.forward, self.dtype, self.device, self.mode_of = forward, dtype, device, mode_of
-        self.use_cfg, self.cfg, self.first_mode, self.grid = use_cfg, float(cfg), first_mode, tuple(grid)
+        self.use_cfg, self.cfg, self.grid = use_cfg, float(cfg), tuple(grid)
         self.clock, self.modes = clock, modes if modes is not None else []
         self.on_call = on_call
         self.step = 0  # the sampler step the calls belong to (moved on by the sampler's own callback)
@@ -118,16 +115,13 @@ class FlowDenoiser:
                              f"{self.grid[0]}, {self.grid[1]}).")
         batch = x.shape[0]
         sig = sigma_rows(sigma, batch)
-        if self.mode_of is not None:
-            mode = self.mode_of(float(sig[0]))
-        else:
-            mode = self.first_mode if not self.modes else ("uncached" if self.first_mode == "uncached" else "cached")
+        mode = self.mode_of(float(sig[0]))
         self.modes.append(mode)
         started = self.clock.start() if self.clock is not None else time.perf_counter()
         packed = rearrange(x, "b c h w -> b (h w) c").to(device=self.device, dtype=self.dtype)
         t = transformer_timestep(sig, self.dtype).to(self.device)  # rounded through the dtype, as the reference
         t = torch.cat([t, t]) if self.use_cfg else t
-        v = self.forward(packed, t, mode) if self.mode_of is None else self.forward(packed, t, mode, float(sig[0]))
+        v = self.forward(packed, t, mode, float(sig[0]))
         v_pos = v_neg = v
         if self.use_cfg:
             v_pos, v_neg = v.chunk(2)

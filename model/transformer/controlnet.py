@@ -226,7 +226,10 @@ class ControlPatch:
             if tuple(hint.shape) != expected:
                 raise ValueError(f"the control latent for a {grid} target is {tuple(hint.shape)}, expected {expected}.")
             self._hints = {grid: hint}  # one size at a time: a run has one target size
-        return self._hints[grid].to(device=device, dtype=dtype)
+        hint = self._hints[grid]
+        if hint.device != torch.device(device) or hint.dtype != dtype:  # moved once, not on every step
+            hint = self._hints[grid] = hint.to(device=device, dtype=dtype)
+        return hint
 
     def read_order(self, base_layers: int) -> tuple[int, ...]:
         """The prefix-cache layers in the order a controlled step reads them: base block i, then control block k
