@@ -8,7 +8,7 @@ heads) follow the rules `loaders/text_encoder.py` applies to a single file, so a
 the same config. Every weight is random, norm scales included, so a mis-mapped tensor cannot hide behind an
 identity init.
 
-The tokenizer is generated, never copied: `write_qwen2_tokenizer` (in demo/tiny_checkpoints.py, shared with the
+The tokenizer is generated, never copied: `write_qwen2_tokenizer` (in demo/tiny_tokenizer.py, shared with the
 demo's tiny model set) trains a small byte-level BPE with the `tokenizers` library on `TOKENIZER_CORPUS` (Qwen2's
 normalizer and pre-tokenizer, so the merges fit the way `Qwen2Tokenizer` splits text) and writes it as Qwen's
 tokenizer folders hold it: vocab.json + merges.txt + tokenizer_config.json. Qwen's added tokens keep their real ids
@@ -32,7 +32,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.processing_utils import ProcessorMixin
 
 # The generated tokenizer lives with the tiny checkpoint set (one copy); re-exported for the tests that use it.
-from qi21.demo.tiny_checkpoints import FIRST_ADDED_ID, QWEN_ADDED_TOKENS, TOKENIZER_CORPUS, write_qwen2_tokenizer  # noqa: F401
+from qi21.demo.tiny_tokenizer import FIRST_ADDED_ID, QWEN_ADDED_TOKENS, TOKENIZER_CORPUS, write_qwen2_tokenizer  # noqa: F401
 from qi21.model.loaders.text_encoder import IMAGE_PROCESSOR_DEFAULTS
 
 #: Test setting (read by the tests only): a folder with the real Qwen2 tokenizer (vocab.json + merges.txt +
