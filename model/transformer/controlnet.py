@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..layers.linear import Linear
-from .dit import Block, DiTConfig, Rows
+from .block import Block, DiTConfig, Rows
 from .prefix_cache import PrefixKVCache
 
 CONTROL_IN_DIM = 129  # 64 control latent channels, 1 keep-mask channel, 64 inpaint latent channels

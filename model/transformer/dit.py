@@ -16,16 +16,16 @@ What we do differently is where the work goes:
   output is a dense buffer and every later elementwise kernel and the K/V concatenation run on contiguous
   memory: on an H200 the gapped views of one fused output cost more in slow strided kernels than the fusion
   saved (measured with benchmarks/bench_gpu.py, see docs/measurements.md).
+One block, the row buffer it runs over and the config are in `block.py` (the Fun ControlNet's blocks are the same).
 """
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 
 from ..layers.linear import Linear
 from .attention import (
@@ -34,39 +34,14 @@ from .attention import (
     flex_block_mask,
     prefix_attention_flex,
     prefix_attention_sdpa,
-    target_attention,
 )
+from .block import Block, DiTConfig, Rows, layer_norm
 from .layout import SequenceLayout
-from .prefix_cache import LayerKV, PrefixKVCache
-from .rope import apply_rope, rope_angles
+from .prefix_cache import PrefixKVCache
+from .rope import rope_angles
 
 TIMESTEP_DIM = 256  # sinusoid width fed to the timestep MLP
 MODES = ("uncached", "prefill", "cached")
-
-
-@dataclass(frozen=True)
-class DiTConfig:
-    """Architecture of the DiT; defaults are the released Qwen-Image 2.1 (Base and Turbo) values."""
-
-    in_channels: int = 64  # latent channels, unpatched (patch_size 1)
-    out_channels: int = 64
-    num_layers: int = 32
-    num_heads: int = 32
-    head_dim: int = 128
-    context_in_dim: int = 4096  # Qwen3-VL 8B hidden size
-    mlp_ratio: int = 3  # SwiGLU hidden = 3 * width = 12288
-    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)  # frame, height, width
-    rope_theta: float = 10000.0
-    eps: float = 1e-6
-    causal_condition: bool = True  # prefix modulated with t = 0; required by the prefix cache
-
-    @property
-    def width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def mlp_hidden(self) -> int:
-        return self.width * self.mlp_ratio
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -81,15 +56,6 @@ class ZeroCenteredRMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (self.weight.float() + 1)).to(x.dtype)
-
-
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm of q/k: variance in fp32, weight used as stored (the reference's plain RMSNorm)."""
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        x = x.to(weight.dtype)
-    return x * weight
 
 
 def timestep_sinusoid(t: torch.Tensor) -> torch.Tensor:
@@ -123,11 +89,6 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(F.silu(self.linear_1(timestep_sinusoid(t).to(dtype))))
 
 
-def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Affine-free LayerNorm over the width (the modulation supplies the scale)."""
-    return F.layer_norm(x, (x.shape[-1],), eps=eps)
-
-
 @dataclass(frozen=True, eq=False)
 class PrefixInputs:
     """One distinct prompt: text-encoder states `(L, context_dim)`, its layout, and its references' packed
@@ -136,167 +97,6 @@ class PrefixInputs:
     layout: SequenceLayout
     text: torch.Tensor | None = None
     references: torch.Tensor | None = None
-
-
-@dataclass(frozen=True, eq=False)
-class Rows:
-    """Everything a block needs to know about the ragged row buffer of one forward, built once per forward.
-
-    The buffer is `[chunk 0 | chunk 1 | ... | sample 0's target | sample 1's target | ...]`. A chunk is the rows
-    of one distinct prompt's prefix that this forward computes: all of them, or (a prefill with a planned cache)
-    those after a leading run the cache already holds or another prompt of the batch computes. Each prompt's rows
-    appear once however many samples read them. In cached steps the buffer holds the targets only.
-
-    Attributes:
-        mode: "uncached", "prefill" or "cached".
-        prefix_spans: `(start, end)` of each chunk in the buffer; empty when the buffer holds targets only.
-        prefix_lens: tokens of each prefix (also in cached steps, where the cache holds them).
-        samples, target_len: the target rows are `samples` runs of `target_len` rows, after the chunks.
-        readers: per prefix, the samples attending to it (a slice when they are consecutive, else a list).
-        prefix_mod_rows: per chunk, its row of the modulation table (the t = 0 row under causal_condition).
-        rope: `(rows, head_dim / 2)` complex rotations in buffer order.
-        prefix_attention: `(c, q, k, v, kv=None) -> out` block-causal attention of chunk c (a whole prefix needs
-            no `kv`); None in cached steps.
-        chunk_groups: the prefix of each chunk.
-        whole: per prefix, the chunk holding all its rows (its keys are read from the buffer), else None (read
-            from the cache).
-    """
-
-    mode: str
-    prefix_spans: tuple[tuple[int, int], ...]
-    prefix_lens: tuple[int, ...]
-    samples: int
-    target_len: int
-    readers: tuple
-    prefix_mod_rows: tuple[int, ...]
-    rope: torch.Tensor
-    prefix_attention: Callable | None = None
-    chunk_groups: tuple[int, ...] = ()
-    whole: tuple = ()
-
-    @property
-    def target_start(self) -> int:
-        return self.prefix_spans[-1][1] if self.prefix_spans else 0
-
-    def targets_only(self) -> "Rows":
-        """The same rows after the prefix rows were dropped from the buffer (the last block does this)."""
-        return replace(self, prefix_spans=(), rope=self.rope[self.target_start :], prefix_attention=None,
-                       chunk_groups=(), whole=())
-
-    def modulate(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """`x * (1 + scale)` with each row's own modulation row (prefix g: its row; sample b's targets: row b)."""
-        out = torch.empty_like(x)
-        for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
-            torch.mul(x[start:end], 1 + scale[row], out=out[start:end])
-        target = x[self.target_start :].view(self.samples, self.target_len, -1)
-        torch.mul(target, 1 + scale[: self.samples, None], out=out[self.target_start :].view_as(target))
-        return out
-
-    def gated_add(self, x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> None:
-        """`x += tanh(gate) * update`, in place, with the same row selection as `modulate`."""
-        gate = gate.tanh()
-        for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
-            x[start:end] += gate[row] * update[start:end]
-        target = x[self.target_start :].view(self.samples, self.target_len, -1)
-        target += gate[: self.samples, None] * update[self.target_start :].view_as(target)
-
-
-class Block(nn.Module):
-    """One single-stream block: modulation, block-causal attention over its rows, SwiGLU MLP, gated residuals.
-
-    The modulation table is the model's (one for all blocks); each block gets its rows `(B + 1, 4 * width)`.
-    Everything else a block reads is its own weights, the `Rows` of this forward and its layer of the prefix
-    cache, so a block can be run, hooked, streamed or compiled alone.
-    """
-
-    def __init__(self, config: DiTConfig, device=None, dtype=None):
-        super().__init__()
-        width, hidden = config.width, config.mlp_hidden
-        self.num_heads, self.head_dim, self.eps = config.num_heads, config.head_dim, config.eps
-        self.qkv = Linear(width, 3 * width, device=device, dtype=dtype)  # rows: [q; k; v]
-        self.norm_q = nn.Parameter(torch.ones(config.head_dim, device=device, dtype=dtype), requires_grad=False)
-        self.norm_k = nn.Parameter(torch.ones(config.head_dim, device=device, dtype=dtype), requires_grad=False)
-        self.to_out = Linear(width, width, device=device, dtype=dtype)
-        self.gate_up = Linear(width, 2 * hidden, device=device, dtype=dtype)  # rows: [gate (SiLU); up]
-        self.down = Linear(hidden, width, device=device, dtype=dtype)
-
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        # two GEMMs over one [gate; up] weight (module docstring); SiLU and the product in place: no temporaries
-        hidden = self.gate_up.weight.shape[0] // 2
-        up = self.gate_up.rows(x, hidden, 2 * hidden)
-        return self.down(F.silu(self.gate_up.rows(x, 0, hidden), inplace=True).mul_(up))
-
-    def qkv_heads(self, h: torch.Tensor, rope: torch.Tensor):
-        """Normed, rotated q and k and plain v, each `(N, heads, head_dim)` and contiguous."""
-        width, heads = h.shape[-1], self.num_heads
-        # two GEMMs over one [q; k; v] weight (module docstring): [q; k] and v in dense buffers
-        qk = rearrange(self.qkv.rows(h, 0, 2 * width), "n (two h d) -> two n h d", two=2, h=heads, d=self.head_dim)
-        v = rearrange(self.qkv.rows(h, 2 * width, 3 * width), "n (h d) -> n h d", h=heads, d=self.head_dim)
-        qk = qk.to(torch.float32, memory_format=torch.contiguous_format)  # q and k normed and rotated together
-        qk = head_rms_norm(qk, torch.stack([self.norm_q, self.norm_k])[:, None, None], self.eps).to(v.dtype)
-        q, k = apply_rope(qk, rope[None, :, None]).unbind(0)  # (N, H, D) each
-        return q, k, v
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        mods: torch.Tensor,
-        rows: Rows,
-        kv: LayerKV | None = None,
-        drop_prefix: bool = False,
-    ) -> torch.Tensor:
-        """One block over the row buffer `x` `(rows, width)`.
-
-        Args:
-            mods: `(B + 1, 4 * width)` modulation rows `[scale1 | gate1 | scale2 | gate2]`.
-            rows: the buffer's `Rows`.
-            kv: this layer's view of the prefix cache: filled in a prefill, read in a cached step.
-            drop_prefix: return the target rows only (the last block: nothing reads the prefix rows' outputs,
-                only their keys and values were needed).
-        Returns:
-            the updated buffer, `(rows, width)`, or the target rows only with `drop_prefix`.
-        """
-        heads, head_dim = self.num_heads, self.head_dim
-        scale1, gate1, scale2, gate2 = mods.chunk(4, dim=-1)
-        if rows.mode != "uncached" and kv is None:
-            raise ValueError(f"a {rows.mode} step needs this layer's prefix cache (kv).")
-
-        q, k, v = self.qkv_heads(rows.modulate(layer_norm(x, self.eps), scale1), rows.rope)
-        t0 = rows.target_start
-        first_out = t0 if drop_prefix else 0
-        attn = torch.empty(x.shape[0] - first_out, heads, head_dim, dtype=v.dtype, device=v.device)
-        for c, (start, end) in enumerate(rows.prefix_spans):
-            if rows.mode == "prefill":  # every chunk's keys first: a later chunk may read an earlier one's
-                kv.store(rows.chunk_groups[c], k[start:end], v[start:end])
-        if not drop_prefix:
-            for c, (start, end) in enumerate(rows.prefix_spans):
-                attn[start:end] = rows.prefix_attention(c, q[start:end], k[start:end], v[start:end], kv)
-        prefix_kv = []
-        for g in range(len(rows.prefix_lens)):
-            chunk = rows.whole[g] if rows.whole else None
-            if chunk is not None:
-                start, end = rows.prefix_spans[chunk]
-                prefix_kv.append((k[start:end], v[start:end]))
-            elif rows.readers[g] is None:
-                prefix_kv.append(None)
-            else:
-                parts = kv.read_parts(g)
-                prefix_kv.append(([pk for pk, _ in parts], [pv for _, pv in parts]))
-
-        samples, length = rows.samples, rows.target_len
-        q_t, k_t, v_t = (tensor[t0:].view(samples, length, heads, head_dim) for tensor in (q, k, v))
-        attn_t = attn[t0 - first_out :].view(samples, length, heads, head_dim)
-        for g, pick in enumerate(rows.readers):
-            if pick is not None:
-                attn_t[pick] = target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
-
-        if drop_prefix:
-            x, rows = x[t0:], rows.targets_only()
-        rows.gated_add(x, gate1, self.to_out(attn.flatten(1)))
-        rows.gated_add(x, gate2, self.mlp(rows.modulate(layer_norm(x, self.eps), scale2)))
-        if x.dtype == torch.float16:
-            x = x.clamp_(-65504, 65504)
-        return x
 
 
 def _readers(sample_prefix: list[int], num_prefixes: int) -> tuple:
@@ -319,7 +119,8 @@ class QwenImage21DiT(nn.Module):
     `forward` = `prepare` (embeddings, modulation rows, the `Rows` of this call) + each block + `final_layer`.
     """
 
-    def __init__(self, config: DiTConfig = DiTConfig(), device=None, dtype=None, attention: str = "sdpa"):
+    def __init__(self, config: DiTConfig = DiTConfig(), device=None, dtype=None,  # noqa: B008 (frozen)
+                 attention: str = "sdpa"):
         super().__init__()
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}.")
