@@ -43,7 +43,7 @@ from comfy_kitchen.tensor import (  # noqa: E402
 import graph_fixtures as gf  # noqa: E402
 from dit_fixtures import make_case  # noqa: E402
 from qi21.demo import tiny_checkpoints as tiny  # noqa: E402
-from qi21.model.layers import formats, kitchen as kitchen_layers  # noqa: E402
+from qi21.model.layers import formats, kitchen as kitchen_layers, quant_tables  # noqa: E402
 from qi21.model.layers.linear import Linear  # noqa: E402
 from qi21.model.loaders import kitchen as quantized  # noqa: E402
 from qi21.model.loaders.dit import load_dit  # noqa: E402
@@ -639,20 +639,20 @@ def test_block_scaled_rows_are_cut_at_whole_tiles_of_the_swizzled_scales(kind):
 
 
 def test_byte_tables_equal_torch_conversions_pair_by_pair_and_byte_by_byte():
-    """The dequantization tables (formats.py) against torch's own fp8 conversion and the E2M1 code values, for an
+    """The dequantization tables (quant_tables.py) against torch's own fp8 conversion and the E2M1 code values, for an
     even number of bytes a row (looked up two at a time) and an odd one (one at a time)."""
     data = torch.arange(256, dtype=torch.uint8).repeat(3, 2)  # every byte, 512 a row
     for kind, fp8 in (("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
         expected = data.view(fp8).float()
-        table = formats.byte_table(kind, torch.float32, "cpu")
+        table = quant_tables.byte_table(kind, torch.float32, "cpu")
         for cols in (512, 511):
-            got = formats.by_table(data[:, :cols], table)
+            got = quant_tables.by_table(data[:, :cols], table)
             assert torch.equal(got.isnan(), expected[:, :cols].isnan())
             assert torch.equal(got.nan_to_num(), expected[:, :cols].nan_to_num())
-    e2m1 = torch.tensor(formats.E2M1)
+    e2m1 = torch.tensor(quant_tables.E2M1)
     expected = torch.stack((e2m1[data.long() >> 4], e2m1[data.long() & 15]), dim=-1).view(3, -1)  # high nibble first
     for cols in (512, 511):
-        got = formats.by_table(data[:, :cols], formats.byte_table("e2m1", torch.float32, "cpu"))
+        got = quant_tables.by_table(data[:, :cols], quant_tables.byte_table("e2m1", torch.float32, "cpu"))
         assert torch.equal(got, expected[:, : 2 * cols])
 
 
@@ -668,4 +668,4 @@ def test_convrot_input_rotation_equals_the_published_hadamard_blocks():
         h = h / group**0.5
         torch.testing.assert_close(h @ h, torch.eye(group, dtype=torch.float64))
         expected = (x.reshape(-1, group) @ h).reshape(x.shape)
-        torch.testing.assert_close(formats.rotate_inputs(x, group), expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(quant_tables.rotate_inputs(x, group), expected, rtol=0, atol=1e-12)

@@ -23,10 +23,10 @@ NVFP4 and MXFP8 are dequantized in plain torch by comfy-kitchen's formulas (test
 bit for bit against its own dequantization): its eager dequantization costs a CPU 30-60% of the GEMM it feeds.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
+
+from .quant_tables import by_table, byte_table, power_of_4, rotate_inputs, unswizzle
 
 INSTALL = ("Install it with `pip install \"comfy-kitchen>=0.2.31\"` (inside ComfyUI: with ComfyUI's own python; "
            "current ComfyUI lists it in its requirements) and restart ComfyUI.")
@@ -62,101 +62,6 @@ def blackwell(device: torch.device) -> bool:
     """Whether `device` is an NVIDIA GPU with FP4/MX tensor cores (compute capability 10.0 or newer)."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
-
-
-def _power_of_4(value: int) -> bool:
-    return value >= 4 and value & (value - 1) == 0 and (value.bit_length() - 1) % 2 == 0
-
-
-_HADAMARD: dict = {}
-
-
-def hadamard(size: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The orthonormal ConvRot rotation of `size` (a power of 4): Kronecker powers of
-    `[[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]]` over sqrt(size); symmetric, so it is its own inverse."""
-    key = (size, dtype, str(device))
-    if key not in _HADAMARD:
-        h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
-        h = torch.ones(1, 1, dtype=torch.float64)
-        while h.shape[0] < size:
-            h = torch.kron(h, h4)
-        _HADAMARD[key] = (h / math.sqrt(size)).to(dtype=dtype, device=device)
-    return _HADAMARD[key]
-
-
-def rotate_inputs(x: torch.Tensor, group: int, shared: dict | None = None) -> torch.Tensor:
-    """`x` with each block of `group` input features rotated by `hadamard(group)`: `x @ W.T` of a ConvRot weight
-    `W = Wr @ H` (per block) is `rotate_inputs(x) @ Wr.T`, so the weight itself never needs rotating. `shared`
-    keeps it for the other row segments of the same call ([q; k; v] is three file tensors, one input)."""
-    if shared is not None and group in shared:
-        return shared[group]
-    # H = Ha (x) Hb (Kronecker), so each block, seen as an [a, b] array V, becomes Ha V Hb: two small products, a
-    # fraction of the multiply-adds of one [group, group] product.
-    a = 4 ** ((group.bit_length() - 1) // 4)
-    if a == 1:
-        rotated = (x.reshape(-1, group) @ hadamard(group, x.dtype, x.device)).reshape(x.shape)
-    else:
-        b = group // a
-        right = (x.reshape(-1, b) @ hadamard(b, x.dtype, x.device)).view(-1, a, b)
-        rotated = torch.matmul(hadamard(a, x.dtype, x.device), right).reshape(x.shape)
-    if shared is not None:
-        shared[group] = rotated
-    return rotated
-
-
-# Dequantizing by table: a CPU converts fp8 and gathers 4-bit codes one element at a time (~5 ns each, a third of
-# an fp32 GEMM's time per weight at 1,024 tokens); `F.embedding` of a table with one row per stored byte, or per
-# pair of bytes (65,536 rows, <= 1 MiB), is 2-3x faster and gives the same values (each entry is the exact conversion
-# of its bytes).
-_TABLES: dict = {}
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # FP4 E2M1 codes
-_PAIRS = torch.arange(65536, dtype=torch.int64)
-
-
-def _byte_values(kind: str, values=None) -> torch.Tensor:
-    codes = torch.arange(256, dtype=torch.int64)
-    if kind in ("fp8", "fp8_e5m2"):
-        fp8 = torch.float8_e4m3fn if kind == "fp8" else torch.float8_e5m2
-        return codes.to(torch.uint8).view(fp8).to(torch.float32).unsqueeze(1)
-    if kind == "e2m1":
-        e2m1 = torch.tensor(E2M1, dtype=torch.float32)
-        return torch.stack((e2m1[codes >> 4], e2m1[codes & 15]), dim=1)
-    values = torch.as_tensor(values, dtype=torch.float32).cpu()
-    return torch.stack((values[codes & 15], values[codes >> 4]), dim=1)
-
-
-def byte_table(kind: str, dtype: torch.dtype, device, values=None) -> torch.Tensor:
-    """[65536, 2n] table: what each (little-endian) pair of bytes holds in `dtype`: "fp8" (float8_e4m3fn, n = 1),
-    "fp8_e5m2" or "e2m1" (two FP4 values a byte, high nibble first, n = 2); or, for "nibbles" (`values[code]` of two
-    4-bit codes a byte, low nibble first), a [256, 2] table of single bytes, built for each call (the codebook is the
-    layer's own, and 256 rows cost nothing to build)."""
-    if values is not None:
-        return _byte_values(kind, values).to(dtype=dtype, device=device)
-    key = (kind, dtype, str(device))
-    if key not in _TABLES:
-        one = _byte_values(kind)
-        _TABLES[key] = torch.cat((one[_PAIRS & 255], one[_PAIRS >> 8]), dim=1).to(dtype=dtype, device=device)
-    return _TABLES[key]
-
-
-def by_table(data: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Each pair of bytes of `data` ([rows, cols]) looked up in `table`; byte by byte (a table of single bytes, or the
-    rows of a pair table whose high byte is 0) for an odd count and off the CPU (where the win is, and where uint16
-    is sure to convert)."""
-    rows, data = data.shape[0], data.contiguous()
-    if table.shape[0] == 256:
-        return F.embedding(data.view(torch.uint8).int(), table).view(rows, -1)
-    if data.shape[-1] % 2 or data.device.type != "cpu":
-        return F.embedding(data.view(torch.uint8).int(), table[:256, : table.shape[1] // 2]).view(rows, -1)
-    return F.embedding(data.view(torch.uint16).int(), table).view(rows, -1)
-
-
-def unswizzle(scales: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
-    """Block scales in cuBLAS's swizzled layout (tiles of 128 rows x 4 blocks; inside a tile, row `32 i + j`, block
-    `c` sits at `[j, 4 i + c]` of a 32 x 16 array) as a plain [rows, blocks] array."""
-    tiles, groups = -(-rows // 128), -(-blocks // 4)
-    plain = scales.reshape(tiles, groups, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(tiles * 128, groups * 4)
-    return plain[:rows, :blocks]
 
 
 class Format:
@@ -265,7 +170,7 @@ class Int8(Format):
                      f"one fp32 scale for the tensor or one per row ({rows})")
         options = {"convrot": bool(layer.option("convrot", False)),
                    "convrot_groupsize": layer.int_option("convrot_groupsize", 256)}
-        if options["convrot"] and (not _power_of_4(options["convrot_groupsize"])
+        if options["convrot"] and (not power_of_4(options["convrot_groupsize"])
                                    or inputs % options["convrot_groupsize"]):
             layer.fail(f"{layer.name} has convrot_groupsize {options['convrot_groupsize']}, which must be a power of "
                        f"4 dividing its {inputs} inputs")
@@ -318,7 +223,7 @@ class W4A8(Format):
 
     def check(self, layer, rows, inputs):
         group, rotation = layer.int_option("group_size", 16), layer.int_option("convrot_groupsize", 256)
-        if group < 4 or (16 % group and group % 16) or inputs % 16 or inputs % group or not _power_of_4(rotation) \
+        if group < 4 or (16 % group and group % 16) or inputs % 16 or inputs % group or not power_of_4(rotation) \
                 or inputs % rotation:
             layer.fail(f"{layer.name} ({inputs} inputs) has group_size {group} and convrot_groupsize {rotation}; "
                        "W4A8 needs inputs divisible by 16, by the group size (4 or more, dividing 16 or a multiple of "
@@ -390,7 +295,7 @@ class W4A4(Format):
         options = {"convrot_groupsize": rotation, "quant_group_size": layer.int_option("quant_group_size", 64),
                    "linear_dtype": layer.option("linear_dtype", "int4")}
         if options["quant_group_size"] != 64 or options["linear_dtype"] not in ("int4", "int8") \
-                or not _power_of_4(rotation) or inputs % rotation or inputs % 64:
+                or not power_of_4(rotation) or inputs % rotation or inputs % 64:
             layer.fail(f"{layer.name} ({inputs} inputs) has convrot_groupsize {rotation}, quant_group_size "
                        f"{options['quant_group_size']} and linear_dtype {layer.show(options['linear_dtype'])}; ConvRot "
                        "W4A4 "
