@@ -20,7 +20,7 @@ from safetensors import safe_open
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from dit_fixtures import make_case, reference_velocity
-from qi21.demo import run_workflows, tiny_checkpoints as tiny
+from qi21.demo import core_nodes, run_workflows, tiny_checkpoints as tiny, workflow_runner
 from qi21.model.loaders.dit import load_dit
 from qi21.model.loaders.text_encoder import load_text_encoder
 from qi21.model.loaders.vae import load_vae
@@ -298,7 +298,7 @@ def test_the_demo_runs_green_end_to_end_on_the_tiny_set(tmp_path, capsys):
 
     base_report = json.loads((out / "base_t2i/qi21_report_6.json").read_text())
     turbo_report = json.loads((out / "turbo_edit/qi21_report_6.json").read_text())
-    for report, steps, batch in ((base_report, run_workflows.QUICK_MAX_STEPS, 1), (turbo_report, 8, 2)):
+    for report, steps, batch in ((base_report, workflow_runner.QUICK_MAX_STEPS, 1), (turbo_report, 8, 2)):
         assert len(report) == 1
         entry = report[0]
         assert {"prefix_tokens", "target_tokens", "batch", "steps", "cache", "cache_bytes", "cache_device",
@@ -344,11 +344,11 @@ def test_load_image_follows_comfyui_conventions(tmp_path):
     rgba = np.zeros((40, 60, 4), np.uint8)
     rgba[..., 0], rgba[:, 30:, 3] = 200, 255  # left half transparent
     Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
-    image, mask = run_workflows.load_image(tmp_path / "a.png")
+    image, mask = core_nodes.load_image(tmp_path / "a.png")
     assert image.shape == (1, 40, 60, 3) and image.dtype == torch.float32
     assert mask.shape == (1, 40, 60) and mask[0, 0, 0] == 1 and mask[0, 0, -1] == 0  # 1 = transparent
     Image.fromarray(rgba[..., :3], "RGB").save(tmp_path / "b.png")
-    image, mask = run_workflows.load_image(tmp_path / "b.png")
+    image, mask = core_nodes.load_image(tmp_path / "b.png")
     assert image.shape == (1, 40, 60, 3) and torch.equal(mask, torch.zeros(1, 64, 64))  # LoadImage's placeholder
 
 

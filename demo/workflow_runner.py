@@ -1,0 +1,371 @@
+"""The headless workflow runner: an API-format workflow run node by node through the pack's own node classes and
+the few core nodes demo/core_nodes.py implements, with loaders' outputs reused across workflows. The command line
+around it is run_workflows.py."""
+
+import heapq
+import inspect
+import json
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from ..model.references import MIN_VLM_PIXELS, reference_size
+from ..nodes import NODES, bridge
+from ..nodes.validation import widget_option, widget_problem
+from .core_nodes import (
+    WorkflowError,
+    core_schemas,
+    input_file_name,
+    load_image,
+    manual_sigmas,
+    save_images,
+    set_latent_noise_mask,
+)
+
+TINY_BANNER = "USING A SMALL RANDOM CHECKPOINT: images are noise; pass --models for real weights"
+#: Limits of a quick run (always in tiny mode: the random model gives noise at any size, so run small).
+QUICK_MAX_SIDE = 256  # sampler width/height (the samplers' minimum size)
+QUICK_MAX_STEPS = 4  # Base sampler steps (Turbo always runs its 8 stored sigmas)
+QUICK_REFERENCE_RESOLUTION = 256  # raised per image until the vision processor's 65536-pixel minimum is met
+QUICK_NOTE = (f"quick run: sampler width/height capped at {QUICK_MAX_SIDE} (0 without references -> {QUICK_MAX_SIDE}), "
+              f"Base steps capped at {QUICK_MAX_STEPS}, reference resolution capped at ~{QUICK_REFERENCE_RESOLUTION}")
+LOADERS = ("QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader")  # outputs reused across workflows
+
+
+def _io_type(port) -> str:
+    value = getattr(port, "io_type", None)
+    return value if isinstance(value, str) else port.get_io_type()
+
+
+def _is_link(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int) and not isinstance(value[1], bool)
+
+
+def _node_order_key(node_id: str):
+    return (0, int(node_id), "") if node_id.isdigit() else (1, 0, node_id)
+
+
+def load_workflow(path: Path) -> dict[str, dict]:
+    """`{node id: {"class_type", "inputs"}}` from an API-format file (or a /prompt request body holding one)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise WorkflowError(f"cannot read {path.name}: {error}") from error
+    if isinstance(data, dict) and isinstance(data.get("prompt"), dict):
+        data = data["prompt"]
+    if isinstance(data, dict) and isinstance(data.get("nodes"), list) and "links" in data:
+        raise WorkflowError(f"{path.name} is a UI-format workflow (nodes + links); this runner needs the API format "
+                            "(ComfyUI: Workflow > Export (API)).")
+    if not isinstance(data, dict):
+        raise WorkflowError(f"{path.name} is not an API-format workflow (a JSON object of nodes).")
+    nodes = {str(k): v for k, v in data.items() if isinstance(v, dict) and "class_type" in v}
+    if not nodes:
+        raise WorkflowError(f"{path.name} holds no nodes (no entries with a class_type).")
+    for node_id, node in nodes.items():
+        if not isinstance(node.get("inputs", {}), dict):
+            raise WorkflowError(f"node {node_id} ({node['class_type']}): inputs must be a JSON object.")
+    return nodes
+
+
+# -- the runner ------------------------------------------------------------------------------------------------
+#: Core nodes the official templates' counterparts use that this runner leaves to a real ComfyUI: a ComfyUI sampler
+#: (KSamplerSelect), the prompt enhancer (a language model: CLIPLoader, TextGenerate) and its switch, reference
+#: batching, and core's edge detector (Canny, the ControlNet example's preprocessor). A workflow with one of them is
+#: reported as skipped, naming them; any other unknown node fails it.
+COMFYUI_ONLY = frozenset({"KSamplerSelect", "CLIPLoader", "TextGenerate", "ComfySwitchNode", "PrimitiveStringMultiline",
+                          "PreviewAny", "ImageBatch", "Canny"})
+
+
+@dataclass
+class WorkflowResult:
+    name: str
+    ok: bool = False
+    seconds: float = 0.0
+    images: list = field(default_factory=list)
+    reports: list = field(default_factory=list)  # (node id, the qi21_report list, its JSON file)
+    notes: list = field(default_factory=list)
+    error: str | None = None
+    details: str | None = None
+    skipped: str | None = None  # why it needs a real ComfyUI (core nodes this runner does not implement)
+
+
+class Runner:
+    """Validates and executes API-format workflows through the pack's node classes and the core nodes above."""
+
+    def __init__(self, out_dir: Path, input_dir: Path, quick: bool, verbose: bool = False, log=print):
+        self.out_dir, self.input_dir, self.quick, self.verbose, self.log = out_dir, input_dir, quick, verbose, log
+        self.classes = {cls.define_schema().node_id: cls for cls in NODES}  # after set_models_root: combo lists
+        self.schemas = {node_id: cls.define_schema() for node_id, cls in self.classes.items()}
+        self.schemas.update(core_schemas())
+        self.loader_cache: dict[tuple, tuple] = {}
+
+    # validation ---------------------------------------------------------------------------------------------
+    def _schema(self, node_id: str, node: dict):
+        schema = self.schemas.get(node["class_type"])
+        if schema is None:
+            raise WorkflowError(
+                f"node {node_id}: {node['class_type']!r} is neither a Qwen-Image 2.1 node nor a core node this runner "
+                f"implements ({', '.join(sorted(self.schemas))}).")
+        return schema
+
+    def _needed(self, nodes: dict) -> list[str]:
+        """Nodes that lead to an output node, in dependency order (ComfyUI runs nothing else)."""
+        outputs = [i for i, node in nodes.items() if self._schema(i, node).is_output_node]
+        if not outputs:
+            raise WorkflowError("the workflow has no output node (SaveImage, PreviewImage or MaskPreview), so ComfyUI "
+                                "would run nothing.")
+        needed, stack = set(), list(outputs)
+        while stack:
+            node_id = stack.pop()
+            if node_id in needed:
+                continue
+            needed.add(node_id)
+            for name, value in nodes[node_id].get("inputs", {}).items():
+                if _is_link(value):
+                    source = str(value[0])
+                    if source not in nodes:
+                        raise WorkflowError(f"node {node_id} ({nodes[node_id]['class_type']}): input {name!r} links to "
+                                            f"node {source}, which is not in the workflow.")
+                    stack.append(source)
+        users = {i: [] for i in needed}
+        waiting = {i: 0 for i in needed}
+        for node_id in needed:
+            for value in nodes[node_id].get("inputs", {}).values():
+                if _is_link(value):
+                    users[str(value[0])].append(node_id)
+                    waiting[node_id] += 1
+        ready = [(_node_order_key(i), i) for i, count in waiting.items() if count == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, node_id = heapq.heappop(ready)
+            order.append(node_id)
+            for user in users[node_id]:
+                waiting[user] -= 1
+                if waiting[user] == 0:
+                    heapq.heappush(ready, (_node_order_key(user), user))
+        if len(order) != len(needed):
+            raise WorkflowError("the links form a cycle through nodes " + ", ".join(sorted(set(needed) - set(order))))
+        return order
+
+    def validate(self, nodes: dict, order: list[str], notes: list[str]) -> None:
+        """Everything ComfyUI checks before running, all problems reported at once."""
+        problems = []
+        for node_id, node in nodes.items():
+            if node_id not in order:
+                notes.append(f"node {node_id} ({node['class_type']}) leads to no output node; ComfyUI would skip it")
+        for node_id in order:
+            node, schema = nodes[node_id], self._schema(node_id, nodes[node_id])
+            where = f"node {node_id} ({node['class_type']})"
+            values = node.get("inputs", {})
+            known = {port.id for port in schema.inputs}
+            extra = sorted(set(values) - known)
+            if extra and node["class_type"] in self.classes:
+                notes.append(f"{where}: inputs {extra} are not in the schema; ComfyUI ignores them")
+            widgets, before = {}, len(problems)
+            for port in schema.inputs:
+                name = port.id
+                if name not in values:
+                    if not port.optional:
+                        problems.append(f"{where}: required input {name!r} is missing")
+                    continue
+                value = values[name]
+                if _is_link(value):
+                    problems.extend(self._check_link(nodes, where, name, port, value))
+                else:
+                    problem = self._check_widget(port, value)
+                    if problem:
+                        problems.append(f"{where}: {name} = {value!r}: {problem}")
+                    else:
+                        widgets[name] = value
+            cls = self.classes.get(node["class_type"])
+            if cls is not None and len(problems) == before:
+                try:  # ComfyUI calls it with the widget values; a linked argument it declares means: skip
+                    inspect.signature(cls.validate_inputs).bind(**widgets)
+                except TypeError:
+                    continue
+                verdict = cls.validate_inputs(**widgets)
+                if verdict is not True:
+                    problems.append(f"{where}: {verdict}")
+        if problems:
+            raise WorkflowError("invalid workflow:\n  " + "\n  ".join(problems))
+
+    def _check_link(self, nodes, where, name, port, value) -> list[str]:
+        source, slot = str(value[0]), value[1]
+        outputs = self._schema(source, nodes[source]).outputs
+        if not 0 <= slot < len(outputs):
+            return [f"{where}: input {name!r} reads output {slot} of node {source} ({nodes[source]['class_type']}), "
+                    f"which has {len(outputs)} outputs"]
+        got, wanted = _io_type(outputs[slot]), _io_type(port)
+        if got != wanted and "*" not in (got, wanted):
+            return [f"{where}: input {name!r} wants {wanted} but node {source} ({nodes[source]['class_type']}) "
+                    f"output {slot} is {got}"]
+        return []
+
+    @staticmethod
+    def _check_widget(port, value) -> str | None:
+        """What ComfyUI checks of one widget value: its type (here), then its combo list and min/max through the
+        nodes' own check (nodes/validation.py, what the loaders and samplers run), worded for this runner."""
+        kind = _io_type(port)
+        if kind in ("INT", "FLOAT") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                         or (kind == "INT" and not float(value).is_integer())):
+            return f"expected {kind}"
+        if kind == "BOOLEAN" and not isinstance(value, bool):
+            return "expected true or false"
+        if kind == "STRING" and not isinstance(value, str):
+            return "expected a string"
+        if kind not in ("COMBO", "INT", "FLOAT") or _widget_fits(port, value):
+            return None
+        if kind == "COMBO":
+            choices = list(widget_option(port, "options") or ())
+            shown = ", ".join(map(str, choices[:8])) + (" ..." if len(choices) > 8 else "")
+            return f"not among the choices ({shown})"
+        return f"outside [{widget_option(port, 'min')}, {widget_option(port, 'max')}]"
+
+    # execution ----------------------------------------------------------------------------------------------
+    def _inputs(self, nodes, node_id, schema, outputs) -> dict:
+        values = nodes[node_id].get("inputs", {})
+        kwargs = {}
+        for port in schema.inputs:
+            if port.id in values:
+                value = values[port.id]
+                if _is_link(value):
+                    value = outputs[str(value[0])][value[1]]
+                    if value is None:  # an optional output left empty upstream: as if unconnected
+                        continue
+                elif _io_type(port) == "INT" and isinstance(value, float):
+                    value = int(value)
+                kwargs[port.id] = value
+            elif port.default is not None:
+                kwargs[port.id] = port.default
+        return kwargs
+
+    def _quick_overrides(self, class_type: str, kwargs: dict) -> list[str]:
+        """Shrink the work (tiny mode, --quick); returns what was changed."""
+        changed = []
+
+        def cap(name, value):
+            if kwargs.get(name) != value:
+                changed.append(f"{name} {kwargs.get(name)} -> {value}")
+                kwargs[name] = value
+
+        if class_type in ("QI21Sampler", "QI21TurboSampler"):
+            has_references = bool(getattr(kwargs.get("positive"), "ref_shapes", ()))
+            for name in ("width", "height") if kwargs.get("latent_image") is None else ():  # a latent sets the size
+                value = kwargs.get(name, 0)
+                cap(name, (0 if has_references else QUICK_MAX_SIDE) if value == 0 else min(value, QUICK_MAX_SIDE))
+            if class_type == "QI21Sampler":
+                cap("steps", min(kwargs.get("steps", QUICK_MAX_STEPS), QUICK_MAX_STEPS))
+        elif (class_type in LOADERS and kwargs.get("weight_dtype", "fp32") != "fp32"
+              and bridge.compute_device().type == "cpu"):
+            # CPUs without native bf16 run bf16 matmuls ~20x and convolutions (aten::_slow_conv2d_forward) ~15x
+            # slower than fp32, and the loaders' "default" keeps the files' bf16
+            cap("weight_dtype", "fp32")
+        elif class_type == "QI21Reference" and isinstance(kwargs.get("image"), torch.Tensor):
+            height, width = kwargs["image"].shape[-3:-1]
+            smallest = QUICK_REFERENCE_RESOLUTION
+            while smallest < 4096 and math.prod(reference_size(width, height, smallest)) < MIN_VLM_PIXELS:
+                smallest += 32
+            resolution = kwargs.get("resolution", 1024)
+            if resolution == 0 or resolution > smallest:
+                cap("resolution", smallest)
+        return changed
+
+    def _execute(self, node_id: str, node: dict, kwargs: dict, workflow: dict, folder: Path, result: WorkflowResult):
+        class_type = node["class_type"]
+        if class_type == "LoadImage":
+            return load_image(self.input_dir / input_file_name(kwargs["image"]))
+        if class_type == "SetLatentNoiseMask":
+            return set_latent_noise_mask(**kwargs)
+        if class_type == "ManualSigmas":
+            return manual_sigmas(**kwargs)
+        if class_type in ("SaveImage", "PreviewImage", "MaskPreview"):
+            prefix = kwargs.get("filename_prefix", "ComfyUI") if class_type == "SaveImage" else f"preview_{node_id}"
+            images = kwargs["mask"] if class_type == "MaskPreview" else kwargs["images"]
+            if class_type == "MaskPreview":  # as ComfyUI shows a MASK: grey levels, 1 (transparent) = white
+                images = images.reshape(-1, 1, *images.shape[-2:]).movedim(1, -1).expand(-1, -1, -1, 3)
+            result.images += save_images(images, folder, prefix, workflow)
+            return ()
+        cache_key = _loader_key(class_type, kwargs) if class_type in LOADERS else None
+        if cache_key in self.loader_cache:
+            return self.loader_cache[cache_key]
+        output = self.classes[class_type].execute(**kwargs)
+        args = tuple(output) if isinstance(output, tuple) else tuple(getattr(output, "args", ()) or ())
+        reports = (getattr(output, "ui", None) or {}).get("qi21_report")
+        if reports is not None:
+            path = folder / f"qi21_report_{node_id}.json"
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(reports, indent=2) + "\n", encoding="utf-8")
+            result.reports.append((node_id, reports, path))
+        if cache_key is not None:
+            self.loader_cache[cache_key] = args
+        return args
+
+    def run(self, path: Path) -> WorkflowResult:
+        result = WorkflowResult(path.stem)
+        start = time.perf_counter()
+        current = None
+        try:
+            nodes = load_workflow(path)
+            core = sorted({n["class_type"] for n in nodes.values() if n["class_type"] in COMFYUI_ONLY})
+            if core:  # the official templates' counterparts: a real ComfyUI runs them (tests/test_comfyui_server.py)
+                result.skipped = f"needs ComfyUI for its core nodes {', '.join(core)}"
+                result.seconds = time.perf_counter() - start
+                return result
+            order = self._needed(nodes)
+            self.validate(nodes, order, result.notes)
+            self._keep_loaded(nodes, order)
+            folder = self.out_dir / path.stem
+            outputs: dict[str, tuple] = {}
+            for node_id in order:
+                current = node_id
+                node = nodes[node_id]
+                kwargs = self._inputs(nodes, node_id, self.schemas[node["class_type"]], outputs)
+                if self.quick:
+                    changed = self._quick_overrides(node["class_type"], kwargs)
+                    if changed:
+                        result.notes.append(f"node {node_id} ({node['class_type']}): {', '.join(changed)} (quick run)")
+                tick = time.perf_counter()
+                outputs[node_id] = self._execute(node_id, node, kwargs, nodes, folder, result)
+                if self.verbose:
+                    self.log(f"    node {node_id:>3} {node['class_type']:<22} {time.perf_counter() - tick:7.2f} s")
+            result.ok = True
+        except Exception as error:  # one broken workflow must not stop the others
+            where = f"node {current} ({nodes[current]['class_type']}): " if current is not None else ""
+            reason = str(error) if isinstance(error, WorkflowError) else f"{type(error).__name__}: {error}"
+            result.error = where + reason
+            result.details = None if isinstance(error, WorkflowError) else traceback.format_exc()
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def _keep_loaded(self, nodes: dict, order: list[str]) -> None:
+        """Drop the loaded models this workflow does not use (real weights are tens of GB); keep the others."""
+        wanted = set()
+        for node_id in order:
+            class_type = nodes[node_id]["class_type"]
+            if class_type in LOADERS:  # loaders take widget values, so their inputs are known up front
+                try:
+                    kwargs = self._inputs(nodes, node_id, self.schemas[class_type], {})
+                except KeyError:  # a linked loader input: its output is not reused
+                    continue
+                if self.quick:
+                    self._quick_overrides(class_type, kwargs)  # the key the loader will be cached under
+                wanted.add(_loader_key(class_type, kwargs))
+        for key in list(self.loader_cache):
+            if key not in wanted:
+                del self.loader_cache[key]
+
+
+def _widget_fits(port, value) -> bool:
+    """`widget_problem` of nodes/validation.py for one input of any schema (ours or a core node's here)."""
+    one_input = SimpleNamespace(define_schema=lambda: SimpleNamespace(inputs=[port]))
+    return widget_problem(one_input, **{port.id: value}) is True
+
+
+def _loader_key(class_type: str, kwargs: dict) -> tuple:
+    return class_type, json.dumps(kwargs, sort_keys=True, default=str)
