@@ -9,7 +9,6 @@ same with the window [0.2, 0.8] (steps outside it read a plain cache of their ow
     python benchmarks/bench_controlnet.py [--layers 2] [--repeats 3] [--threads N]
 """
 
-import argparse
 import statistics
 import time
 
@@ -54,13 +53,7 @@ def mib(nbytes: int) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = bench_dit.cpu_bench_args(__doc__, layers=2, repeats=3)
     _, model, _ = bench_dit.build_models(args.layers)
     net = build_net(args.layers // 2)
     cond = bench_dit.build_inputs(1)[3]

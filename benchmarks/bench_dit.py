@@ -98,14 +98,23 @@ def flops(fn) -> int:
     return counter.get_total_flops()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
+def cpu_bench_args(doc: str, layers: int, repeats: int, add=None) -> argparse.Namespace:
+    """The CPU benchmarks' command line: `--layers`, `--repeats`, `--threads` (torch's thread count, set here) and
+    whatever `add(parser)` adds."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--threads", type=int, default=None)
+    if add is not None:
+        add(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    return args
+
+
+def main():
+    args = cpu_bench_args(__doc__, layers=4, repeats=5)
     reference, ours, ReferenceCache = build_models(args.layers)
     t = torch.tensor([0.8])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, {args.layers} layers, "

@@ -17,7 +17,6 @@ wall time and in process CPU time (steadier on a shared machine: time spent wait
     python benchmarks/bench_gguf.py [--layers 2] [--references 1] [--repeats 7] [--threads N] [--dtype fp32]
 """
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -122,15 +121,11 @@ def dequant_seconds(model, dtype, repeats: int) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--references", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype of all three")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    def add(parser):
+        parser.add_argument("--references", type=int, default=1)
+        parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype of all three")
+
+    args = bench_dit.cpu_bench_args(__doc__, layers=2, repeats=7, add=add)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
     source = random_model(args.layers)

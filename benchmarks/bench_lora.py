@@ -13,7 +13,6 @@ delta branches and patched norm copies, model/loaders/lora_patches.py).
     python benchmarks/bench_lora.py [--layers 2] [--ranks 16 64] [--repeats 7] [--threads N] [--full-patches]
 """
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -24,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 import bench_dit  # noqa: F401  (registers the repository as package `qi21`)
-from bench_dit import build_inputs, flops
+from bench_dit import build_inputs, cpu_bench_args, flops
 from qi21.model.loaders.lora import apply_lora
 from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
 from qi21.model.transformer.prefix_cache import PrefixKVCache
@@ -65,15 +64,11 @@ def write_lora(path: Path, config: DiTConfig, rank: int, full_patches: bool = Fa
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--full-patches", action="store_true")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    def add(parser):
+        parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+        parser.add_argument("--full-patches", action="store_true")
+
+    args = cpu_bench_args(__doc__, layers=2, repeats=7, add=add)
     plain = build_model(args.layers)
     prefix, target, _, _ = build_inputs(1)
     t = torch.tensor([0.8])

@@ -13,7 +13,6 @@ is cut), with 2 references of 1024 tokens and a ~75-token instruction after them
     python benchmarks/bench_prefix_reuse.py [--layers 4] [--repeats 5] [--threads N]
 """
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
-from bench_dit import build_models, flops
+from bench_dit import build_models, cpu_bench_args, flops
 from qi21.model.conditioning import Conditioning
 from qi21.model.sampling.run_caches import share_leading_runs
 from qi21.model.transformer.dit import PrefixInputs
@@ -148,13 +147,7 @@ def _text_encoder_rows(encoder, repeats: int) -> list[str]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = cpu_bench_args(__doc__, layers=4, repeats=5)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, DiT {args.layers} layers, width "
           f"1024, heads 8x128, target 1024 tokens, 2 references of 1024 tokens, {INSTRUCTION}-token instruction, "
           f"median of {args.repeats}")

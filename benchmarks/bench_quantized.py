@@ -15,7 +15,6 @@ W4A8 models through comfy-kitchen's int8 GEMMs (`torch._int_mm` on a CPU: ~42x t
     python benchmarks/bench_quantized.py [--layers 1] [--references 1] [--repeats 3] [--threads N] [--kernels]
 """
 
-import argparse
 import json
 import re
 import statistics
@@ -81,15 +80,11 @@ def quantized_file(tensors: dict[str, torch.Tensor], kind: str, path: Path) -> P
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--references", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--kernels", action="store_true", help="also run int8 / W4A8 through the int8 GEMMs")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    def add(parser):
+        parser.add_argument("--references", type=int, default=1)
+        parser.add_argument("--kernels", action="store_true", help="also run int8 / W4A8 through the int8 GEMMs")
+
+    args = bench_dit.cpu_bench_args(__doc__, layers=1, repeats=3, add=add)
 
     tensors = comfy_tensors(random_model(args.layers))
     with tempfile.TemporaryDirectory() as folder:
