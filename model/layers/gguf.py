@@ -116,20 +116,23 @@ def _q3_k(b):
     return (ql.view(torch.int8) - (qh << 2).view(torch.int8)).float().mul_(dl).view(n, 256)
 
 
-def _q4_k(b):
+def _k4_scales(b):
+    """Q4_K / Q5_K super-block header: the 8 sub-blocks' scales and minimums, `(n, 8, 1)` each."""
     n = b.shape[0]
     sc, mn = _scale_min_k4(b[:, 4:16])
-    d = (_f16(b, 0) * sc).view(n, 8, 1)
-    dm = (_f16(b, 2) * mn).view(n, 8, 1)
+    return (_f16(b, 0) * sc).view(n, 8, 1), (_f16(b, 2) * mn).view(n, 8, 1)
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    d, dm = _k4_scales(b)
     q = (_shifted(b[:, 16:].reshape(n, 4, 32), 4, 2, -2) & 0x0F).reshape(n, 8, 32)
     return q.float().mul_(d).sub_(dm).view(n, 256)
 
 
 def _q5_k(b):
     n = b.shape[0]
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    d = (_f16(b, 0) * sc).view(n, 8, 1)
-    dm = (_f16(b, 2) * mn).view(n, 8, 1)
+    d, dm = _k4_scales(b)
     ql = (_shifted(b[:, 48:].reshape(n, 4, 32), 4, 2, -2) & 0x0F).reshape(n, 8, 32)
     qh = (_shifted(b[:, 16:48].reshape(n, 1, 32), 1, 8, -2) & 1).reshape(n, 8, 32)
     return (ql | (qh << 4)).float().mul_(d).sub_(dm).view(n, 256)
