@@ -90,6 +90,7 @@ CONTRACT = {
                              ("strength", "FLOAT"), ("start_percent", "FLOAT"), ("end_percent", "FLOAT")],
                             [("control_image", "IMAGE"), ("inpaint_image", "IMAGE"), ("mask", "MASK")],
                             ["QI21_MODEL"]),
+    "QI21CacheOptions": ([("model", "QI21_MODEL"), ("device", "COMBO"), ("dtype", "COMBO")], [], ["QI21_MODEL"]),
 }
 #: Options and defaults the contract fixes: (node, input) -> {key: value}.
 CONTRACT_OPTIONS = {
@@ -97,6 +98,8 @@ CONTRACT_OPTIONS = {
     ("QI21ModelLoader", "attention"): {"options": ["auto", "sdpa", "flex"]},
     ("QI21TextEncoderLoader", "weight_dtype"): {"default": "default"},
     ("QI21TextEncoderLoader", "device"): {"options": ["default", "cpu"]},
+    ("QI21CacheOptions", "device"): {"options": ["auto", "gpu", "cpu", "off"], "default": "auto"},
+    ("QI21CacheOptions", "dtype"): {"options": ["default", "int8", "int4"], "default": "default"},
     ("QI21VAELoader", "weight_dtype"): {"default": "default"},
     ("QI21Reference", "resolution"): {"default": 1024, "min": 0},
     ("QI21TextEncode", "prompt"): {"multiline": True},
