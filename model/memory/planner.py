@@ -29,7 +29,7 @@ tests run on any machine (`benchmarks/plan_table.py`).
 import math
 from dataclasses import dataclass, field, replace
 
-from ..transformer.cache_storage import CACHE_DEVICES, cache_row_bytes
+from ..transformer.cache_storage import CACHE_DEVICES, DECODE_ROWS, cache_row_bytes
 from ..transformer.dit import DiTConfig
 from .estimate import FP32, GIB, RunEstimate, VAEShape, decode_transient, estimate_run
 from .slots import STREAM_SLOTS
@@ -229,12 +229,12 @@ def run_estimate(config: DiTConfig, run: RunShape, itemsize: int, cached: bool =
 
 def storage_transient(config: DiTConfig, run: RunShape, itemsize: int) -> int:
     """What a quantized cache adds to a step that reads or writes it: every prefix's keys and values of one layer
-    dequantized (compute dtype) for the target attention, and one prefix's fp32 rows while it is rotated and
-    quantized or dequantized (about three fp32 copies). 0 for the default storage."""
+    dequantized into the compute dtype for the target attention, and the layout's fp32 temporaries of one block of
+    rows (`DECODE_ROWS`; quantizing works in smaller blocks). 0 for the default storage."""
     if run.cache_dtype == "default" or not run.prefix_tokens:
         return 0
     width = config.width
-    return 2 * sum(run.prefix_tokens) * width * itemsize + 3 * max(run.prefix_tokens) * width * FP32
+    return 2 * sum(run.prefix_tokens) * width * itemsize + 2 * DECODE_ROWS * width * FP32
 
 
 def sampling_phases(weights: LayeredWeights, config: DiTConfig, run: RunShape, itemsize: int,

@@ -7,8 +7,9 @@ comfy-kitchen's layouts, with core's `QwenImage21Cache` vocabulary (`int8`, `int
 
 A row is one token's keys (or values) of one layer, all heads: W = heads x head_dim values (4096 in the released
 model, so int8 keeps 0.5005x and int4 0.2505x of the bf16 bytes, scales included). Each row is quantized on its
-own (ConvRot spreads an outlier over its group before the per-row absmax), so its stored bytes depend only on its
-own values: the same row gives the same bytes in every run, which is what lets kept and shared rows be reused.
+own (ConvRot spreads an outlier over its group before the per-row absmax), in fixed blocks of rows, so its stored
+bytes depend only on its own values: the same row gives the same bytes in every run, whether it was computed with its
+whole prefix or as a chunk after kept rows, which is what makes a reused quantized cache equal a fresh one.
 
 A quantized payload is one uint8 tensor `(layers, 2, rows, row_bytes)` whose last 4 bytes per row are the row's
 fp32 scale: everything the prefix cache does with payload tensors (row ranges, sharing, `.to(device)`, the host
@@ -25,6 +26,8 @@ CACHE_DEVICES = ("auto", "gpu", "cpu", "off")
 SCALE_BYTES = 4  # one fp32 scale per row
 ROTATION_GROUP = 256  # ConvRot's Hadamard group, as core uses it
 INT4_GROUP = 64  # comfy-kitchen's int4 layout wants rows a multiple of its quantization group
+ENCODE_ROWS = 256  # rows per call of a layout's quantize (`QuantizedRows.encode`)
+DECODE_ROWS = 1024  # rows per call of a layout's dequantize: its fp32 temporaries stay small
 
 
 def rotation_group(width: int) -> int:
@@ -66,31 +69,44 @@ class QuantizedRows:
         return TensorWiseINT8Layout if self.bits == 8 else TensorCoreConvRotW4A4Layout
 
     def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """Quantize `rows` `(n, W)` into `out` `(n, row_bytes)` uint8 (quantized bytes, then the fp32 scale)."""
+        """Quantize `rows` `(n, W)` into `out` `(n, row_bytes)` uint8 (quantized bytes, then the fp32 scale).
+
+        The rows go through the layout in blocks of `ENCODE_ROWS` (the last one padded with zero rows): the
+        rotation is a GEMM, whose rounding may depend on how many rows it is given, and a fixed block makes a
+        row's bytes the same whether it was quantized with its whole prefix or as a chunk after kept rows."""
         width = rows.shape[-1]
-        group, layout = rotation_group(width), self._layout()
-        if self.bits == 8:
-            data, params = layout.quantize(rows.float(), is_weight=True, per_channel=True, convrot=True,
-                                           convrot_groupsize=group)
-        else:
-            data, params = layout.quantize(rows.float(), convrot_groupsize=group)
-        cut = self.payload_bytes(width)
-        out[:, :cut].copy_(data.view(torch.uint8))
-        out[:, cut:].copy_(params.scale.reshape(-1, 1).to(torch.float32).view(torch.uint8))
+        group, layout, cut = rotation_group(width), self._layout(), self.payload_bytes(width)
+        for first in range(0, rows.shape[0], ENCODE_ROWS):
+            block = rows[first:first + ENCODE_ROWS].float()
+            count = block.shape[0]
+            if count < ENCODE_ROWS:
+                block = torch.cat([block, block.new_zeros(ENCODE_ROWS - count, width)])
+            if self.bits == 8:
+                data, params = layout.quantize(block, is_weight=True, per_channel=True, convrot=True,
+                                               convrot_groupsize=group)
+            else:
+                data, params = layout.quantize(block, convrot_groupsize=group)
+            target = out[first:first + count]
+            target[:, :cut].copy_(data[:count].view(torch.uint8))
+            target[:, cut:].copy_(params.scale.reshape(-1, 1)[:count].to(torch.float32).view(torch.uint8))
 
     def decode(self, stored: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
         """`(n, W)` rows in `dtype` from `stored` `(n, row_bytes)` uint8 (a row range of a payload)."""
-        cut, layout = self.payload_bytes(width), self._layout()
-        data = stored[:, :cut].view(torch.int8).contiguous()
-        scale = stored[:, cut:].view(torch.float32).contiguous()
-        group, shape = rotation_group(width), (stored.shape[0], width)
-        if self.bits == 8:
-            params = layout.Params(scale=scale, orig_dtype=dtype, orig_shape=shape, is_weight=True, convrot=True,
-                                   convrot_groupsize=group)
-        else:
-            params = layout.Params(scale=scale.reshape(-1), orig_dtype=dtype, orig_shape=shape,
-                                   convrot_groupsize=group)
-        return layout.dequantize(data, params)
+        cut, layout, group = self.payload_bytes(width), self._layout(), rotation_group(width)
+        out = torch.empty(stored.shape[0], width, dtype=dtype, device=stored.device)
+        for first in range(0, stored.shape[0], DECODE_ROWS):  # blocks bound the layout's fp32 temporaries
+            block = stored[first:first + DECODE_ROWS]
+            data = block[:, :cut].view(torch.int8).contiguous()
+            scale = block[:, cut:].view(torch.float32).contiguous()
+            shape = (block.shape[0], width)
+            if self.bits == 8:
+                params = layout.Params(scale=scale, orig_dtype=dtype, orig_shape=shape, is_weight=True,
+                                       convrot=True, convrot_groupsize=group)
+            else:
+                params = layout.Params(scale=scale.reshape(-1), orig_dtype=dtype, orig_shape=shape,
+                                       convrot_groupsize=group)
+            out[first:first + block.shape[0]] = layout.dequantize(data, params)
+        return out
 
 
 def cache_storage(dtype: str = "default", what: str = "dtype") -> QuantizedRows | None:
