@@ -216,3 +216,27 @@ def test_default_storage_report(model):
     report = run(model, edit()).report
     assert report["cache_dtype"] == "default"
     assert report["cache_bytes"] == edit().layout(GRID).prefix_len * 2 * 3 * 64 * 4
+
+
+# -- the node, through the samplers -------------------------------------------------------------------------------
+def test_the_prefix_cache_node_reaches_both_samplers_and_the_report(model):
+    from qi21.nodes.cache import QI21CacheOptions
+    from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
+    from test_streaming import conditioning
+
+    plain = QI21TurboSampler.execute(model, conditioning(), 0, 128, 96, 1).ui["qi21_report"][0]
+    assert (plain["cache_dtype"], plain["plan"]["cache_dtype"]) == ("default", "default")
+    for dtype in QUANTIZED:
+        copy = QI21CacheOptions.execute(model, "auto", dtype)[0]
+        report = QI21TurboSampler.execute(copy, conditioning(), 0, 128, 96, 1).ui["qi21_report"][0]
+        assert report["cache_dtype"] == report["plan"]["cache_dtype"] == dtype
+        assert report["cache_bytes"] == report["plan"]["cache_bytes"] < plain["cache_bytes"]  # predicted = held
+    on_host = QI21CacheOptions.execute(model, "cpu", "int8")[0]
+    report = QI21Sampler.execute(on_host, conditioning(), 0, 2, 1.0, 128, 96, 1).ui["qi21_report"][0]
+    assert (report["plan"]["cache"], report["cache_device"], report["cache_dtype"]) == ("host", "cpu", "int8")
+    off = QI21CacheOptions.execute(model, "off", "default")[0]
+    report = QI21TurboSampler.execute(off, conditioning(), 0, 128, 96, 1).ui["qi21_report"][0]
+    assert report["cache"] == "off" and any("device is off" in note for note in report["notes"])
+    assert QI21CacheOptions.validate_inputs(device="vram") is not True
+    with pytest.raises(ValueError, match="device"):
+        QI21CacheOptions.execute(model, "vram", "default")
