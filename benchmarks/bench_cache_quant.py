@@ -6,7 +6,8 @@
 2. Error on the scaled CPU model (bench_dit.py's shape: width 1024, heads of 128, SwiGLU x3, a 512x512 target, one
    512x512 reference, 75 text tokens; weights drawn as bf16_drift.py draws them, norm scales around 1 and matrices
    N(0, 1/fan_in)): one cached velocity and a whole 40-step Base loop with an int8 / int4 cache against the model-dtype
-   (bf16) cache, each next to the bf16-vs-fp32 drift of the same velocity / loop (relative L2).
+   cache (bf16, and fp32 to isolate the quantization), each next to the bf16-vs-fp32 drift of the same velocity /
+   loop (relative L2).
 3. CPU speed of a cached step with an int8 / int4 cache against the plain one (the dequantization per layer),
    interleaved medians, fp32 and bf16 models, two references.
 
@@ -97,21 +98,25 @@ def errors(layers: int, steps: int):
         return sample(model, cond, sigmas=sigmas, width=SIZE, height=SIZE, noise=noise, cache_dtype=dtype)
 
     with torch.inference_mode():
-        v32 = velocity(fp32, prefix, target, "default")
+        v32 = {d: velocity(fp32, prefix, target, d) for d in DTYPES}
         v = {d: velocity(bf16, prefix, target, d) for d in DTYPES}
-        l32 = loop(fp32, "default").latents
+        runs32 = {d: loop(fp32, d) for d in DTYPES}
         runs = {d: loop(bf16, d) for d in DTYPES}
-    drift_v, drift_l = relative(v["default"], v32), relative(runs["default"].latents, l32)
-    print(f"| cache | one cached velocity vs the bf16 cache | (÷ bf16-vs-fp32 drift) | {steps}-step latents vs "
-          "the bf16 cache | (÷ drift) | cache bytes (report) |")
+    drift_v, drift_l = relative(v["default"], v32["default"]), relative(runs["default"].latents,
+                                                                      runs32["default"].latents)
+    print(f"| cache | one cached velocity vs the model-dtype cache | (÷ bf16-vs-fp32 drift) | {steps}-step latents "
+          "vs the model-dtype cache | (÷ drift) | cache bytes (report) |")
     print("|---|---|---|---|---|---|")
     print(f"| bf16 model vs fp32 model, default caches (the drift) | {drift_v:.2e} | 1 | {drift_l:.2e} | 1 | "
           f"{runs['default'].report['cache_bytes']:,} |")
-    for d in DTYPES[1:]:
-        ev, el = relative(v[d], v["default"]), relative(runs[d].latents, runs["default"].latents)
-        held, plain = runs[d].report["cache_bytes"], runs["default"].report["cache_bytes"]
-        print(f"| {d} (bf16 model) | {ev:.2e} | {ev / drift_v:.2f} | {el:.2e} | {el / drift_l:.2f} | "
-              f"{held:,} ({held / plain:.4f}x) |")
+    # in the bf16 model a quantized cache's difference includes bf16 rounding along another code path; the fp32
+    # model's rows isolate what the quantization itself changes
+    for model_dtype, vs, loops in (("bf16", v, runs), ("fp32", v32, runs32)):
+        for d in DTYPES[1:]:
+            ev, el = relative(vs[d], vs["default"]), relative(loops[d].latents, loops["default"].latents)
+            held, plain = loops[d].report["cache_bytes"], loops["default"].report["cache_bytes"]
+            print(f"| {d} ({model_dtype} model, vs its {model_dtype} cache) | {ev:.2e} | {ev / drift_v:.2f} | "
+                  f"{el:.2e} | {el / drift_l:.2f} | {held:,} ({held / plain:.4f}x) |")
     return fp32, bf16
 
 
