@@ -73,6 +73,10 @@ def test_on_a_12_gib_card_an_int8_cache_leaves_less_to_copy_per_step():
     forced = plan_run(weights, FULL, RunShape(**{**vars(shape), "cache_dtype": "int8"}), budget, 2,
                       cache_choice="cpu")
     assert forced.cache == "host"
+    from qi21.model.memory.planner import PlanError
+
+    with pytest.raises(PlanError, match=r"prefix cache on the device \(the cache options' device = gpu\)"):
+        plan_run(weights, FULL, RunShape.released(1024, references=10), Budget.gpu(8 * GIB), 2, cache_choice="gpu")
 
 
 # -- reuse equals a fresh quantized cache ------------------------------------------------------------------------

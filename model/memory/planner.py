@@ -316,7 +316,8 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
                 best = (key, streamed, cache, phases, host)
             break
     if best is None:
-        raise PlanError(_no_plan_message(weights, config, run, budget, itemsize, choice, vae, caches[0]))
+        raise PlanError(_no_plan_message(weights, config, run, budget, itemsize, choice, vae,
+                                         "device" if cache_choice == "gpu" else None))
     (copied, _, _), streamed, cache, phases, host = best
     decode = plan_decode(vae, run.batch, run.grid, budget, must_fit=False)
     phases = {**phases, "decode": decode.peak}
