@@ -24,6 +24,7 @@ from .core_nodes import (
     load_image,
     manual_sigmas,
     save_images,
+    save_latent,
     set_latent_noise_mask,
 )
 
@@ -284,6 +285,9 @@ class Runner:
             return set_latent_noise_mask(**kwargs)
         if class_type == "ManualSigmas":
             return manual_sigmas(**kwargs)
+        if class_type == "SaveLatent":
+            result.images += save_latent(kwargs["samples"], folder, kwargs.get("filename_prefix", "latents/ComfyUI"))
+            return ()
         if class_type in ("SaveImage", "PreviewImage", "MaskPreview"):
             prefix = kwargs.get("filename_prefix", "ComfyUI") if class_type == "SaveImage" else f"preview_{node_id}"
             images = kwargs["mask"] if class_type == "MaskPreview" else kwargs["images"]
