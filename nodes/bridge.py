@@ -155,7 +155,7 @@ def kept_cache_budget_bytes() -> int | None:
             log.warning("qi21: setting %s = %r is not a number of GiB >= 0; the kept caches have no ceiling",
                         KEPT_CACHE_BUDGET_SETTING, value)
         return None
-    return None if gib == 0 else int(gib * 2**30)
+    return None if gib == 0 else int(min(gib * 2**30, 2**62))  # 1e308 GiB is no ceiling, not an overflow
 
 
 # -- devices and memory -------------------------------------------------------------------------------------

@@ -63,9 +63,11 @@ def _node(class_type: str, **inputs) -> dict:
     return {"class_type": class_type, "inputs": inputs}
 
 
-def build_prompt(rng: random.Random, kind: str, index: int, edit_image: str) -> tuple[dict, list[str]]:
-    """One API prompt of `kind` (see KINDS), its random choices drawn from `rng`; returns (prompt, features)."""
-    turbo = kind in ("t2i", "lora", "edit", "edit_words") and rng.random() < 0.5
+def build_prompt(rng: random.Random, kind: str, index: int, edit: tuple[str, bool]) -> tuple[dict, list[str]]:
+    """One API prompt of `kind` (see KINDS), its random choices drawn from `rng`; returns (prompt, features).
+    `edit`: the (image, Turbo?) of the last edit, which an instruction-only change keeps."""
+    edit_image, edit_turbo = edit
+    turbo = edit_turbo if kind in ("edit", "edit_words") else kind in ("t2i", "lora") and rng.random() < 0.5
     features = ["turbo" if turbo else "base"]
     p = {"1": _node("QI21ModelLoader", model_name=TURBO_DIT if turbo else BASE_DIT, weight_dtype="fp32"),
          "2": _node("QI21TextEncoderLoader", text_encoder_name=tiny.TEXT_ENCODER_FILE, weight_dtype="fp32"),
@@ -132,18 +134,28 @@ def soak_mix(count: int, seed: int = 0, comfy_samplers: bool = True, interrupts:
              frees: float = 0.04, quiet_start: int = 10) -> list[SoakPrompt]:
     """`count` prompts, the same for the same arguments. A share `interrupts` is to be interrupted at a random
     point, a share `frees` is followed by a /free (a third of them unloading the models too, a third unloading
-    only); none of either among the first `quiet_start` prompts (they set the memory baseline)."""
+    only); none of either among the first `quiet_start` prompts. Those set the memory baseline, so they hold every
+    kind once first (in random order) at the largest batch: later prompts meet no code path and no activation size
+    the baseline has not seen."""
     rng = random.Random(seed)
     kinds = [k for k in KINDS if comfy_samplers or k != "comfy_sampler"]
     weights = [KINDS[k] for k in kinds]
-    edit_image = IMAGES[0]
+    warm_up = rng.sample(kinds, len(kinds)) if quiet_start >= len(kinds) else []
+    edit = (IMAGES[0], False)
     prompts = []
     for index in range(count):
-        kind = rng.choices(kinds, weights)[0]
-        if kind == "edit":  # a new edit picks its image; instruction-only changes keep the last one
-            edit_image = rng.choice(IMAGES)
-        # a prompt's own draws come from a generator of its own: the mix stays the same when a kind changes
-        prompt, features = build_prompt(random.Random(rng.getrandbits(64)), kind, index, edit_image)
+        kind = warm_up[index] if index < len(warm_up) else rng.choices(kinds, weights)[0]
+        if kind == "edit_words" and index < len(warm_up) and "edit" in warm_up[index:]:
+            kind = "edit"  # an instruction-only change needs an edit before it
+            warm_up[warm_up.index("edit", index + 1)] = "edit_words"
+        own = random.Random(rng.getrandbits(64))  # a prompt's own draws: the mix stays when a kind changes
+        if kind == "edit":  # a new edit picks its image and DiT; instruction-only changes keep the last ones
+            edit = (own.choice(IMAGES), own.random() < 0.5)
+        prompt, features = build_prompt(own, kind, index, edit)
+        if index < len(warm_up):
+            largest = 2 if kind in ("edit", "edit_words") else 4
+            prompt["10"]["inputs"]["batch_size"] = largest
+            features = [f for f in features if not f.startswith("batch")] + [f"batch {largest}"]
         item = SoakPrompt(index, kind, prompt, features=features)
         interrupt, delay, free, how = rng.random(), rng.choice((0.0, 0.05, 0.2, 0.5, 1.0, 2.0)), rng.random(), \
             rng.choice(({"free_memory": True}, {"unload_models": True, "free_memory": True}, {"unload_models": True}))

@@ -69,11 +69,12 @@ def user_root(tmp_path):
 
 
 @pytest.mark.parametrize("value, expected", [(None, None), (0, None), (1.5, int(1.5 * 2**30)), ("2", 2 * 2**30),
-                                             (-1, None), ("lots", None), (True, None), (float("inf"), None)])
+                                             (-1, None), ("lots", None), (True, None), (float("inf"), None),
+                                             (1e308, 2**62), ([1], None), ({"a": 1}, None)])
 def test_the_setting_in_gib_zero_or_unset_or_invalid_is_no_ceiling(user_root, value, expected, caplog):
     _write_settings(user_root, {} if value is None else {bridge.KEPT_CACHE_BUDGET_SETTING: value})
     assert bridge.kept_cache_budget_bytes() == expected
-    if value in (-1, "lots", True):
+    if value in (-1, "lots", True, [1]):
         assert bridge.KEPT_CACHE_BUDGET_SETTING in caplog.text
 
 
