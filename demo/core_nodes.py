@@ -112,6 +112,22 @@ def save_images(images: torch.Tensor, folder: Path, prefix: str, prompt: dict) -
     return written
 
 
+def save_latent(samples: dict, folder: Path, prefix: str) -> list[Path]:
+    """Core SaveLatent: the LATENT's raw `samples` as `{prefix}_{counter:05}_.latent`, a safetensors file holding
+    `latent_tensor` (what ComfyUI writes), so two runs can be compared exactly rather than through 8-bit PNGs."""
+    from safetensors.torch import save_file
+
+    relative = Path(prefix or "latents/ComfyUI")
+    if relative.is_absolute() or ".." in relative.parts:
+        raise WorkflowError(f"filename_prefix {prefix!r} must stay inside the output folder.")
+    target = folder / relative
+    target.parent.mkdir(parents=True, exist_ok=True)
+    counter = 1 + sum(1 for _ in target.parent.glob(f"{target.name}_*_.latent"))
+    path = target.parent / f"{target.name}_{counter:05}_.latent"
+    save_file({"latent_tensor": samples["samples"].detach().float().contiguous().cpu()}, str(path))
+    return [path]
+
+
 def core_schemas() -> dict:
     """Schemas of the core nodes this runner implements (the inputs and outputs the workflows use)."""
     return {
@@ -120,6 +136,9 @@ def core_schemas() -> dict:
         "SaveImage": io.Schema(node_id="SaveImage", category="image", is_output_node=True,
                                inputs=[io.Image.Input("images"),
                                        io.String.Input("filename_prefix", default="ComfyUI", optional=True)]),
+        "SaveLatent": io.Schema(node_id="SaveLatent", category="latent", is_output_node=True,
+                                inputs=[io.Latent.Input("samples"),
+                                        io.String.Input("filename_prefix", default="latents/ComfyUI", optional=True)]),
         "PreviewImage": io.Schema(node_id="PreviewImage", category="image", is_output_node=True,
                                   inputs=[io.Image.Input("images")]),
         "MaskPreview": io.Schema(node_id="MaskPreview", category="mask", is_output_node=True,

@@ -24,6 +24,7 @@ from .core_nodes import (
     load_image,
     manual_sigmas,
     save_images,
+    save_latent,
     set_latent_noise_mask,
 )
 
@@ -284,6 +285,9 @@ class Runner:
             return set_latent_noise_mask(**kwargs)
         if class_type == "ManualSigmas":
             return manual_sigmas(**kwargs)
+        if class_type == "SaveLatent":
+            result.images += save_latent(kwargs["samples"], folder, kwargs.get("filename_prefix", "latents/ComfyUI"))
+            return ()
         if class_type in ("SaveImage", "PreviewImage", "MaskPreview"):
             prefix = kwargs.get("filename_prefix", "ComfyUI") if class_type == "SaveImage" else f"preview_{node_id}"
             images = kwargs["mask"] if class_type == "MaskPreview" else kwargs["images"]
@@ -291,7 +295,7 @@ class Runner:
                 images = images.reshape(-1, 1, *images.shape[-2:]).movedim(1, -1).expand(-1, -1, -1, 3)
             result.images += save_images(images, folder, prefix, workflow)
             return ()
-        cache_key = _loader_key(class_type, kwargs) if class_type in LOADERS else None
+        cache_key = self._loader_key(class_type, kwargs) if class_type in LOADERS else None
         if cache_key in self.loader_cache:
             return self.loader_cache[cache_key]
         output = self.classes[class_type].execute(**kwargs)
@@ -355,17 +359,19 @@ class Runner:
                     continue
                 if self.quick:
                     self._quick_overrides(class_type, kwargs)  # the key the loader will be cached under
-                wanted.add(_loader_key(class_type, kwargs))
+                wanted.add(self._loader_key(class_type, kwargs))
         for key in list(self.loader_cache):
             if key not in wanted:
                 del self.loader_cache[key]
+
+    def _loader_key(self, class_type: str, kwargs: dict) -> tuple:
+        """A loader's output is reused while its inputs and its file's fingerprint (`fingerprint_inputs`: size,
+        mtime, digest) are the same, as ComfyUI's node cache does: a file replaced on disk is loaded again."""
+        fingerprint = self.classes[class_type].fingerprint_inputs(**kwargs)
+        return class_type, json.dumps(kwargs, sort_keys=True, default=str), fingerprint
 
 
 def _widget_fits(port, value) -> bool:
     """`widget_problem` of nodes/validation.py for one input of any schema (ours or a core node's here)."""
     one_input = SimpleNamespace(define_schema=lambda: SimpleNamespace(inputs=[port]))
     return widget_problem(one_input, **{port.id: value}) is True
-
-
-def _loader_key(class_type: str, kwargs: dict) -> tuple:
-    return class_type, json.dumps(kwargs, sort_keys=True, default=str)

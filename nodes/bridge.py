@@ -3,6 +3,7 @@ previews. Without ComfyUI every service falls back to plain PyTorch behaviour, s
 (tests, the headless demo).
 """
 
+import json
 import logging
 import threading
 from pathlib import Path
@@ -92,6 +93,69 @@ def comfy_tokenizer_dir() -> Path | None:
     # a plain module inside it.
     folder = Path(_comfy_utils.__file__).resolve().parent / "text_encoders" / "qwen25_tokenizer"
     return folder if folder.is_dir() else None
+
+
+# -- user settings (ComfyUI's settings panel) ------------------------------------------------------------------
+#: The ceiling of the kept prefix caches, in GiB (web/qi21_settings.js registers it; 0 or unset: no ceiling).
+KEPT_CACHE_BUDGET_SETTING = "QI21.KeptCacheBudgetGiB"
+SETTINGS_FILE = "comfy.settings.json"  # where ComfyUI's front end saves each user's settings
+_plain_user_root: Path | None = None
+_settings_seen: dict = {"stamp": None, "values": {}}
+
+
+def set_user_root(path) -> None:
+    """Without ComfyUI: the folder standing for ComfyUI's `user/` (settings of the user `default` live in it)."""
+    global _plain_user_root
+    _plain_user_root = None if path is None else Path(path)
+    _settings_seen.update(stamp=None, values={})
+
+
+def settings_path() -> Path | None:
+    """The settings file of ComfyUI's `default` user (the one user without --multi-user; with it, the server-wide
+    settings of this pack are that user's)."""
+    root = Path(_folder_paths.get_user_directory()) if HAVE_COMFY else _plain_user_root
+    return None if root is None else root / "default" / SETTINGS_FILE
+
+
+def user_setting(setting_id: str, default=None):
+    """One value of the settings file (re-read only when the file changes); `default` when it is absent or the file
+    cannot be read (said once per change of the file: a broken settings file must not stop a run)."""
+    path = settings_path()
+    try:
+        stat = None if path is None else path.stat()
+    except OSError:
+        stat = None
+    stamp = None if stat is None else (str(path), stat.st_mtime_ns, stat.st_size)
+    if stamp != _settings_seen["stamp"]:
+        values = {}
+        if stamp is not None:
+            try:
+                loaded = json.loads(path.read_text(encoding="utf-8"))
+                values = loaded if isinstance(loaded, dict) else {}
+            except (OSError, ValueError) as error:
+                log.warning("qi21: could not read the user settings %s (%s); using the defaults", path, error)
+        _settings_seen.update(stamp=stamp, values=values)
+    return _settings_seen["values"].get(setting_id, default)
+
+
+def kept_cache_budget_bytes() -> int | None:
+    """The user's ceiling for the kept prefix caches in bytes, or None (no ceiling: what the memory plan leaves
+    free beside each run bounds them, as before the setting existed). A value that is not a number >= 0 is
+    ignored, loudly."""
+    value = user_setting(KEPT_CACHE_BUDGET_SETTING)
+    if value is None or value == "":
+        return None
+    try:
+        gib = float("nan") if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        gib = float("nan")
+    if not gib >= 0 or gib == float("inf"):
+        if _settings_seen.get("warned") != _settings_seen["stamp"]:
+            _settings_seen["warned"] = _settings_seen["stamp"]
+            log.warning("qi21: setting %s = %r is not a number of GiB >= 0; the kept caches have no ceiling",
+                        KEPT_CACHE_BUDGET_SETTING, value)
+        return None
+    return None if gib == 0 else int(min(gib * 2**30, 2**62))  # 1e308 GiB is no ceiling, not an overflow
 
 
 # -- devices and memory -------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from ..model.encoders.control import control_latents
 from ..model.loaders.controlnet import apply_controlnet, load_controlnet
 from . import bridge, placement
 from .bridge import io
-from .loaders import checked_path, default_dtype, file_problem, load_or_free
+from .loaders import checked_path, default_dtype, file_changed_key, file_problem, load_or_free
 from .types import CATEGORY, VAE, ControlNet, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
@@ -43,6 +43,10 @@ class QI21ControlNetLoader(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, control_net_name=None, **kwargs):
         return file_problem(cls, "model_patches", control_net_name, **kwargs)
+
+    @classmethod
+    def fingerprint_inputs(cls, control_net_name=None, **kwargs):
+        return file_changed_key("model_patches", control_net_name)
 
     @classmethod
     def execute(cls, control_net_name, weight_dtype="default", **unknown) -> io.NodeOutput:

@@ -11,6 +11,7 @@ import torch
 
 from ..model.loaders.checkpoint import WEIGHT_DTYPES
 from ..model.loaders.dit import load_dit
+from ..model.loaders.fingerprint import file_fingerprint
 from ..model.loaders.text_encoder import load_text_encoder
 from ..model.loaders.vae import load_vae
 from ..model.memory.planner import PLAN_CHOICES
@@ -51,6 +52,23 @@ def checked_path(node, kind: str, name, **widgets) -> Path:
     `model_choices` lists pass, so nothing outside the model folders can be named ("../../x.safetensors")."""
     require(_not_listed(kind, name) or widget_problem(node, **widgets))
     return bridge.model_path(kind, name)
+
+
+def file_changed_key(kind: str, name) -> str | None:
+    """A loader's `fingerprint_inputs`: the file's size, mtime and edge digest (model/loaders/fingerprint.py), so
+    ComfyUI's node cache runs the loader again when the file was replaced on disk. A removed or unreadable file gives
+    a key of its own: the loader runs and says what is wrong. None for a name fed by a link (known only at run
+    time; its upstream node's own key applies)."""
+    if name is None:
+        return None
+    if _not_listed(kind, name):  # never read a file the loader would refuse ("../../x"): validation says why
+        return f"unlisted:{kind}/{name}"
+    try:
+        return file_fingerprint(bridge.model_path(kind, name))
+    except FileNotFoundError:
+        return f"missing:{kind}/{name}"
+    except OSError as error:
+        return f"unreadable:{kind}/{name}:{type(error).__name__}"
 
 
 def default_dtype(weight_dtype: str, device: torch.device) -> str:
@@ -109,6 +127,10 @@ class QI21ModelLoader(io.ComfyNode):
         return file_problem(cls, "diffusion_models", model_name, **kwargs)
 
     @classmethod
+    def fingerprint_inputs(cls, model_name=None, **kwargs):
+        return file_changed_key("diffusion_models", model_name)
+
+    @classmethod
     def execute(cls, model_name, weight_dtype, attention="auto", plan="auto", **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "diffusion_models", model_name, weight_dtype=weight_dtype, attention=attention,
@@ -152,6 +174,10 @@ class QI21TextEncoderLoader(io.ComfyNode):
         return file_problem(cls, "text_encoders", text_encoder_name, **kwargs)
 
     @classmethod
+    def fingerprint_inputs(cls, text_encoder_name=None, **kwargs):
+        return file_changed_key("text_encoders", text_encoder_name)
+
+    @classmethod
     def execute(cls, text_encoder_name, weight_dtype, device="default", **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "text_encoders", text_encoder_name, weight_dtype=weight_dtype, device=device)
@@ -187,6 +213,10 @@ class QI21VAELoader(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, vae_name=None, **kwargs):
         return file_problem(cls, "vae", vae_name, **kwargs)
+
+    @classmethod
+    def fingerprint_inputs(cls, vae_name=None, **kwargs):
+        return file_changed_key("vae", vae_name)
 
     @classmethod
     def execute(cls, vae_name, weight_dtype, **unknown) -> io.NodeOutput:

@@ -8,7 +8,7 @@ that uses the model without the LoRA gets the model without the LoRA.
 from ..model.loaders.lora import apply_lora
 from . import bridge
 from .bridge import io
-from .loaders import checked_path, file_problem, load_or_free
+from .loaders import checked_path, file_changed_key, file_problem, load_or_free
 from .types import CATEGORY, Model
 from .validation import refuse_unknown_inputs
 
@@ -45,6 +45,10 @@ class QI21LoraLoader(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, lora_name=None, **kwargs):
         return file_problem(cls, "loras", lora_name, **kwargs)
+
+    @classmethod
+    def fingerprint_inputs(cls, lora_name=None, **kwargs):
+        return file_changed_key("loras", lora_name)
 
     @classmethod
     def execute(cls, model, lora_name, strength, **unknown) -> io.NodeOutput:

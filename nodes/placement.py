@@ -34,7 +34,8 @@ PLAN_TOOLTIP = ("Where the DiT's weights live while it samples. auto picks the f
                 "every block (least VRAM: about 1.2 GB of weights on the GPU; slowest). The plan is in the "
                 "sampler's report.")
 
-#: The prefix caches kept between runs (`keep_cache`), bounded by what the plan leaves free beside each run.
+#: The prefix caches kept between runs (`keep_cache`), bounded by what the plan leaves free beside each run and by
+#: the user's ceiling (ComfyUI setting `bridge.KEPT_CACHE_BUDGET_SETTING`; none by default), re-read before each run.
 KEPT_CACHES = PrefixCacheStore(budget_bytes=None)
 
 
@@ -127,6 +128,7 @@ class Sampling:
         self.store = KEPT_CACHES
         self.new_cache = None
         self.peak_bytes = None
+        self.evictions_before = self.store.evictions  # evictions from here on were made for this run
 
     @contextmanager
     def placed(self):
@@ -135,6 +137,8 @@ class Sampling:
         plan = self.plan
         if plan.cache == "host":  # the plan counted kept device caches as free room: release them
             self.store.drop_where(lambda cache: cache.device is not None and cache.device.type != "cpu")
+        if bridge.settings_path() is not None:  # the user's ceiling (settings panel); without settings, as set
+            self.store.set_budget(bridge.kept_cache_budget_bytes())
         self.store.set_free(plan.store_budget)  # kept caches beside this run: from what is free, not a constant
         resident = self.weights.total - self.weights.streamed_bytes(plan.streamed)
         beside = plan.sampling_peak - resident  # the run's activations, cache and streaming slots
@@ -154,6 +158,23 @@ class Sampling:
         if self.peak_bytes is not None:
             out["peak_bytes"] = int(self.peak_bytes)
         return out
+
+    def store_report(self, keep_cache: bool) -> tuple[dict, list[str]]:
+        """(report keys, notes) about the kept store after the run: with `keep_cache`, `kept_bytes` /
+        `kept_limit_bytes`; whenever kept caches were evicted to make room during this run, `kept_evictions` and a
+        note saying so."""
+        store, out, notes = self.store, {}, []
+        evicted = store.evictions - self.evictions_before
+        if keep_cache:
+            out.update(kept_bytes=store.kept_bytes(), kept_limit_bytes=store.limit_bytes)
+        if evicted:
+            out["kept_evictions"] = evicted
+            ceiling = "your ceiling" if store.budget_bytes is not None and store.limit_bytes == store.budget_bytes \
+                else "what the memory plan leaves free"
+            notes.append(f"{evicted} kept prefix cache{'s' if evicted > 1 else ''} evicted (least recently used) "
+                         f"to make room: the kept store is bounded by {ceiling}, {store.limit_bytes / 2**20:,.0f} MiB "
+                         f"(setting {bridge.KEPT_CACHE_BUDGET_SETTING})")
+        return out, notes
 
 
 # -- the text encoder ------------------------------------------------------------------------------------------------

@@ -192,6 +192,11 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     if sampler_name is not None:
         report["sampler"] = sampler_name
     report.update(job.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
+    kept, store_notes = job.store_report(keep_cache)  # what the kept store holds; evictions made for this run
+    report.update(kept)
+    for note in store_notes:
+        bridge.log.info("qi21 %s sampler: %s", sampler, note)
+    notes += store_notes
     gemm = gemm_summary(model, bridge.compute_device())
     if gemm:  # per quantized format: its own GEMM kernel, or dequantized per layer before a plain GEMM
         report["quantized_gemm"] = gemm

@@ -211,6 +211,15 @@ def test_extension_registers_once_with_its_hooks(full):
     assert full["timers"] and all(ms >= 500 for ms in full["timers"])  # a cheap poll, not a busy loop
 
 
+def test_extension_registers_the_kept_cache_ceiling_setting_the_server_reads(full):
+    from qi21.nodes.bridge import KEPT_CACHE_BUDGET_SETTING
+
+    (setting,) = full["extensions"][0]["settings"]
+    assert setting["id"] == KEPT_CACHE_BUDGET_SETTING  # the id nodes/bridge.py looks up in comfy.settings.json
+    assert setting["type"] == "number" and setting["defaultValue"] == 0 and setting["attrs"]["min"] == 0
+    assert "evicted" in setting["tooltip"] and "0 (default)" in setting["tooltip"]
+
+
 FRONT_END_WIDGETS = ["qi21_aspect_preset", "qi21_prefix_estimate", "qi21_run_report"]
 
 

@@ -22,6 +22,7 @@ import { app } from "../../scripts/app.js";
 import { SAMPLERS, POLL_MS, disabled, fail, classOf } from "./qi21_common.js";
 import { refreshEstimate, pollEstimates, addEstimateWidget } from "./qi21_estimate_widget.js";
 import { syncPreset, addPresetWidget } from "./qi21_preset_widget.js";
+import { SETTINGS } from "./qi21_settings.js";
 import { reportNodes, receiveReport, fitPending, addReportWidget, listenLive, drawPhase } from "./qi21_report_widget.js";
 
 const EXTENSION_NAME = "QwenImage21.SamplerWidgets";
@@ -39,6 +40,7 @@ function chainPrototype(prototype, method, after) {
 
 const extension = {
   name: EXTENSION_NAME,
+  settings: SETTINGS, // the settings panel's entries (the kept caches' ceiling); the server reads the saved values
 
   async setup() {
     try {

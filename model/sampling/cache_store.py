@@ -14,8 +14,12 @@ its own cache unless that cache now holds everything they offered.
 
 The bound is the smaller of a fixed ceiling (`budget_bytes`; None: none) and what the memory planner says is free
 beside the current run (`free_bytes`, set by the sampler nodes before each run from the memory plan); with neither,
-`DEFAULT_BUDGET_BYTES`. The samplers' store (`KEPT_CACHES` in nodes/placement.py) has no fixed ceiling: on a large
-GPU it keeps more.
+`DEFAULT_BUDGET_BYTES`. The samplers' store (`KEPT_CACHES` in nodes/placement.py) has no fixed ceiling unless the user
+sets one (ComfyUI's settings panel, read through nodes/bridge.py): on a large GPU it keeps more.
+
+For monitoring (plain attributes, read without the lock): `evictions` counts the kept caches dropped least recently
+used first to stay inside the bound, `evicted_bytes` what they held, `peak_bytes` the most the store held after any
+change; `kept_bytes()` is what it holds now and `entries()` a snapshot of its entries, oldest first.
 """
 
 import itertools
@@ -50,6 +54,9 @@ class PrefixCacheStore:
         self._ids = itertools.count()
         self._watched: set[int] = set()
         self._lock = threading.Lock()
+        self.evictions = 0  # kept caches dropped (least recently used first) to stay inside the bound
+        self.evicted_bytes = 0  # what they held (a tensor another entry still shares is counted with each)
+        self.peak_bytes = 0  # the most the kept caches held after any change
 
     @staticmethod
     def key(model, *extra, dtype=None, storage: str = "default") -> tuple:
@@ -69,6 +76,12 @@ class PrefixCacheStore:
         """The bound in force: the smaller of `budget_bytes` and `free_bytes` (DEFAULT_BUDGET_BYTES with neither)."""
         bounds = [b for b in (self.budget_bytes, self.free_bytes) if b is not None]
         return min(bounds) if bounds else DEFAULT_BUDGET_BYTES
+
+    def set_budget(self, budget_bytes: int | None) -> None:
+        """A new fixed ceiling (None: none, the planner's figure alone); evicts (LRU) down to it now."""
+        with self._lock:
+            self.budget_bytes = None if budget_bytes is None else max(0, int(budget_bytes))
+            self._evict_to_limit()
 
     def set_free(self, free_bytes: int | None) -> None:
         """What the memory planner says kept caches may use beside the next run; evicts (LRU) down to it now."""
@@ -94,6 +107,17 @@ class PrefixCacheStore:
     def nbytes(self) -> int:
         """Bytes the kept caches hold, each shared tensor counted once."""
         return _unique_bytes(cache for _, cache in self._entries.values())
+
+    def kept_bytes(self) -> int:
+        """Bytes the kept caches hold now (`nbytes`)."""
+        return self.nbytes
+
+    def entries(self) -> list[dict]:
+        """A snapshot of the kept caches, least recently used first: each one's bytes, device, prefix count and
+        rows. Plain values only: nothing here holds a cache."""
+        with self._lock:
+            return [{"bytes": cache.nbytes, "device": str(cache.device), "prefixes": len(cache.runs),
+                     "rows": sum(run.rows for run in cache.runs)} for _, cache in self._entries.values()]
 
     def caches(self) -> list[PrefixKVCache]:
         return [cache for _, cache in self._entries.values()]
@@ -163,6 +187,7 @@ class PrefixCacheStore:
                 self._entries.pop(entry)
             self._entries[next(self._ids)] = (model_key, cache)
             self._evict_to_limit(keep=cache)
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
             model = cache_owner(model)  # the identity in the key (`key`)
             if id(model) not in self._watched:
                 self._watched.add(id(model))
@@ -173,7 +198,10 @@ class PrefixCacheStore:
     def _evict_to_limit(self, keep=None) -> None:
         while self._entries and self.nbytes > self.limit_bytes:
             entry = next(e for e, (_, cache) in self._entries.items() if cache is not keep or len(self._entries) == 1)
-            self._entries.pop(entry)[1].free()
+            cache = self._entries.pop(entry)[1]
+            self.evictions += 1
+            self.evicted_bytes += cache.nbytes
+            cache.free()
 
     def evict_model(self, model_id: int) -> None:
         """Drop every entry made by the model with this id (it was unloaded)."""

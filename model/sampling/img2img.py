@@ -79,6 +79,10 @@ def latent_mask(mask: torch.Tensor, grid: tuple[int, int], batch: int) -> torch.
         raise ValueError(f"noise_mask must be [H, W], [B, H, W] or [B, 1, H, W]; got {list(mask.shape)}.")
     if not torch.isfinite(mask).all():
         raise ValueError("noise_mask holds NaN or infinite values.")
+    low, high = mask.min().item(), mask.max().item()
+    if low < 0.0 or high > 1.0:  # the blend x * m + kept * (1 - m) would extrapolate past both images
+        raise ValueError(f"noise_mask values must lie in [0, 1] (1 = repaint, 0 = keep); got {low:g} to {high:g}. "
+                         "Scale or clamp the mask first.")
     resized = F.interpolate(mask[:, None], size=tuple(grid), mode="bilinear")
     return match_batch(resized, batch)
 

@@ -124,7 +124,10 @@ def literal_sigmas(values, name: str = "sigmas") -> torch.Tensor:
     """Sigmas used exactly as given (ComfyUI's SIGMAS), fp32 `(n,)`: at least two values (one step), all finite,
     in [0, 1] and strictly decreasing. Unlike `custom_sigmas` nothing is appended: a schedule that ends above 0
     stops there (the first half of a split schedule)."""
-    sig = torch.as_tensor(values).detach().to("cpu", SIGMA_DTYPE).flatten()
+    sig = torch.as_tensor(values).detach().to("cpu", SIGMA_DTYPE)
+    if sum(size > 1 for size in sig.shape) > 1:  # a batch or grid of schedules: flattening would make up one
+        raise ValueError(f"{name} must be one schedule (a 1-D list of sigmas); got shape {list(sig.shape)}.")
+    sig = sig.flatten()
     if sig.numel() < 2:
         raise ValueError(f"{name} holds {sig.numel()} value(s); a schedule needs at least two (one step).")
     if not torch.isfinite(sig).all():

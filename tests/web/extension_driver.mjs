@@ -221,7 +221,8 @@ async function main() {
     const graph = new FakeGraph();
     app.graph = graph;
     await load(app);
-    out.extensions = app.extensions.map((e) => ({ name: e.name, hooks: Object.keys(e).filter((k) => typeof e[k] === "function") }));
+    out.extensions = app.extensions.map((e) => ({ name: e.name, hooks: Object.keys(e).filter((k) => typeof e[k] === "function"),
+      settings: e.settings ?? null }));
     const ext = app.extensions[0];
     const C = await registerTypes(ext, ["QI21Sampler", "QI21TurboSampler", "QI21TextEncode", "QI21Reference", "LoadImage", "VAEDecode", "Reroute",
       "QI21CacheOptions", "QI21LoraLoader"]);
