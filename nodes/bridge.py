@@ -3,6 +3,7 @@ previews. Without ComfyUI every service falls back to plain PyTorch behaviour, s
 (tests, the headless demo).
 """
 
+import asyncio
 import json
 import logging
 import threading
@@ -398,3 +399,50 @@ def sampler_object(name: str = "euler"):
     from .comfy_standin import EulerSampler
 
     return EulerSampler()
+
+
+# -- server routes ----------------------------------------------------------------------------------------------
+def input_directory() -> Path | None:
+    """ComfyUI's input folder (where LoadImage reads and /upload/image writes); None without ComfyUI."""
+    return Path(_folder_paths.get_input_directory()) if HAVE_COMFY else None
+
+
+_routes_added: set[tuple[str, str]] = set()
+
+
+def add_route(method: str, path: str, handler, max_body: int = 0) -> bool:
+    """Serve `handler(body: bytes | None) -> (status, payload)` at `method path` on ComfyUI's own server (and under
+    /api, as ComfyUI mirrors every route). `payload`: a dict or list (sent as JSON) or `(text, content type)`.
+    The handler runs in a worker thread, so a scrape never waits for the event loop and the loop never waits for
+    the handler; a POST body above `max_body` bytes is refused with 413 before it is read. Only serving: the pack
+    opens no connection. Returns False without ComfyUI's server (tests, the headless demo): nothing to serve on."""
+    if not HAVE_COMFY or (method, path) in _routes_added:
+        return False
+    try:
+        from aiohttp import web  # ComfyUI's HTTP server; its response classes
+        from server import PromptServer
+    except ImportError:
+        return False
+    server = getattr(PromptServer, "instance", None)
+    if server is None:
+        return False
+
+    async def serve(request):
+        body = None
+        if method == "POST":
+            if request.content_length is not None and request.content_length > max_body:
+                return web.json_response({"error": f"the body is {request.content_length} bytes; at most "
+                                                   f"{max_body} are read."}, status=413)
+            body = await request.content.read(max_body + 1)
+            if len(body) > max_body:
+                return web.json_response({"error": f"the body is over {max_body} bytes."}, status=413)
+        loop = asyncio.get_running_loop()
+        status, payload = await loop.run_in_executor(None, handler, body)
+        if isinstance(payload, tuple):
+            text, content_type = payload
+            return web.Response(body=text.encode(), status=status, headers={"Content-Type": content_type})
+        return web.json_response(payload, status=status)
+
+    server.routes.route(method, path)(serve)
+    _routes_added.add((method, path))
+    return True

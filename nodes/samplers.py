@@ -25,7 +25,7 @@ from ..model.vae.latents import (
     sampling_size,
     target_size,
 )
-from . import bridge, placement
+from . import bridge, observability, placement
 from .bridge import io
 from .comfy_sampling import sampler_runner
 from .types import CATEGORY, Conditioning, Model
@@ -203,6 +203,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     if notes:
         report["notes"] = notes + report.get("notes", [])
     bridge.log.info("qi21_report %s", json.dumps(report))
+    observability.record_run(report)
     out = {key: latent_image[key] for key in ("noise_mask", "batch_index") if key in (latent_image or {})}
     out["samples"] = positive.latent_format.denormalize(result.latents.float()).cpu()
     return io.NodeOutput(out, ui={"qi21_report": [report]})

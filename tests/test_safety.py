@@ -18,6 +18,9 @@ FORBIDDEN_MODULES = {"subprocess", "socket", "urllib", "http", "requests", "http
                      "urllib3", "websocket", "websockets"}
 FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__", "getenv", "putenv", "system", "popen", "load",
                    "urlopen"}
+# The one exception: nodes/bridge.py serves the pack's read-only routes (/qi21/route_key, /qi21/caches, /qi21/metrics)
+# on ComfyUI's own aiohttp server, so it takes aiohttp's response classes, and nothing else of aiohttp (no client).
+SERVING_FILE, SERVING_NAMES = "nodes/bridge.py", {"web.json_response", "web.Response"}
 # Dotted names after import aliases are resolved (`import torch as t; t.load` is `torch.load`, `from os import
 # environ` is `os.environ`); entries ending in "*" are prefixes (os.execv, os.spawnl, os.forkpty, ...).
 FORBIDDEN_NAMES = {"os.environ", "os.environb", "os.getenv", "os.putenv", "os.system", "os.popen", "os.exec*",
@@ -54,11 +57,28 @@ def _forbidden_name(name: str | None) -> bool:
     return name is not None and any(name == f or (f.endswith("*") and name.startswith(f[:-1])) for f in FORBIDDEN_NAMES)
 
 
+def _serving_import(path: Path, node) -> bool:
+    """`from aiohttp import web` in the serving file (its uses are checked by `_serving_violations`)."""
+    return (path.relative_to(ROOT).as_posix() == SERVING_FILE and isinstance(node, ast.ImportFrom) and
+            node.module == "aiohttp" and [(a.name, a.asname) for a in node.names] == [("web", None)])
+
+
+def _serving_violations(tree) -> list[str]:
+    """Any use of `web` other than its response classes (a `web.ClientSession`, a `web.TCPSite`, ...)."""
+    used = {f"web.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "web"}
+    return sorted(used - SERVING_NAMES)
+
+
 def _violations(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     aliases = _aliases(tree)
     found = []
+    if any(_serving_import(path, node) for node in ast.walk(tree)):
+        found += _serving_violations(tree)
     for node in ast.walk(tree):
+        if _serving_import(path, node):
+            continue
         if isinstance(node, ast.Import):
             found += [f"import {a.name}" for a in node.names if a.name.split(".")[0] in FORBIDDEN_MODULES]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in FORBIDDEN_MODULES:
@@ -103,6 +123,23 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
         assert sorted(v.split(":", 1)[1] for v in _violations(sneaky)) == sorted([
             "import importlib", "import ctypes", "torch.load", "torch.serialization.load", "os.execv", "os.spawnl",
             "os.environ", "from_pretrained(...) without local_files_only=True"])
+    finally:
+        globals()["ROOT"] = original
+
+
+def test_only_the_bridge_takes_aiohttp_and_only_its_response_classes(tmp_path):
+    original = globals()["ROOT"]
+    globals()["ROOT"] = tmp_path
+    try:
+        (tmp_path / "nodes").mkdir()
+        serving = tmp_path / "nodes" / "bridge.py"
+        serving.write_text("from aiohttp import web\nweb.json_response({})\nweb.Response(body=b'')\n")
+        assert _violations(serving) == []
+        serving.write_text("from aiohttp import web\nweb.ClientSession()\n")
+        assert _violations(serving) == ["nodes/bridge.py:web.ClientSession"]
+        other = tmp_path / "nodes" / "other.py"
+        other.write_text("from aiohttp import web\n")
+        assert _violations(other) == ["nodes/other.py:from aiohttp import ..."]
     finally:
         globals()["ROOT"] = original
 

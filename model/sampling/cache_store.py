@@ -24,12 +24,29 @@ change; `kept_bytes()` is what it holds now and `entries()` a snapshot of its en
 
 import itertools
 import threading
+import time
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ..transformer.prefix_cache import PrefixKVCache
 
 DEFAULT_BUDGET_BYTES = 8 * 2**30  # ~16k prefix tokens of the full model in bf16 (0.5 MiB per token)
+
+
+@dataclass
+class KeptInfo:
+    """What observability shows of a kept cache (`PrefixCacheStore.snapshot`): when its content was first kept
+    (`time.monotonic()`), how many later runs read rows of it, and the report's `prefix_key` of the run that made it.
+    A run's cache that covers an entry it read takes that entry's info over (the same content, kept on)."""
+
+    since: float
+    hits: int = 0
+    prefix_key: str | None = None
+
+
+def _info(cache) -> KeptInfo | None:
+    return getattr(cache, "kept_info", None)
 
 
 def _unique_bytes(caches) -> int:
@@ -143,6 +160,7 @@ class PrefixCacheStore:
                     if type(cache).shares_rows is False and len(cache.runs) == len(runs) and all(
                             a.rows == b.rows == a.common_rows(b) for a, b in zip(runs, cache.runs)):
                         whole = self._entries.pop(entry)[1]
+                        _count_hit(whole)
                         return [whole], bases, whole
                 return [], bases, None
             for g, wanted in enumerate(runs):
@@ -158,31 +176,41 @@ class PrefixCacheStore:
                     bases[g] = ("parts", best[2], best[0])
                     taken[best[1]] = None
             taken = [self._entries.pop(entry)[1] for entry in taken]
+            for cache in taken:
+                _count_hit(cache)
         return taken, bases, whole
 
-    def give_back(self, model_key, taken, cache: PrefixKVCache, model) -> bool:
+    def give_back(self, model_key, taken, cache: PrefixKVCache, model, prefix_key: str | None = None) -> bool:
         """After a successful run: keep its `cache`, and put back the `taken` entries it does not cover. Returns
-        whether the run's cache was kept (False: larger than the budget on its own; it is freed then)."""
+        whether the run's cache was kept (False: larger than the budget on its own; it is freed then).
+        `prefix_key`: the run report's, shown by `snapshot`."""
         for old in taken:
             if old is not cache and not _covers(cache, old):
                 self.put(model_key, old, model)
             elif old is not cache:
+                _inherit(cache, old)
                 old.free()
-        return self.put(model_key, cache, model)
+        return self.put(model_key, cache, model, prefix_key=prefix_key)
 
-    def put(self, model_key, cache: PrefixKVCache, model) -> bool:
+    def put(self, model_key, cache: PrefixKVCache, model, prefix_key: str | None = None) -> bool:
         """Keep `cache` (made by `model`, under its `key`), evicting the least recently used entries to fit the
         budget. Entries it covers are dropped (it offers all they did).
 
         Returns False (and frees the cache) when it alone exceeds the budget.
         """
+        if _info(cache) is None:
+            cache.kept_info = KeptInfo(since=time.monotonic())
+        if prefix_key is not None and cache.kept_info.prefix_key is None:
+            cache.kept_info.prefix_key = prefix_key
         with self._lock:
             if cache.nbytes > self.limit_bytes:
                 cache.free()
                 return False
             for entry in [e for e, (key, old) in self._entries.items()
                           if key == model_key and old is not cache and _covers(cache, old)]:
-                self._entries.pop(entry)[1].free()
+                old = self._entries.pop(entry)[1]
+                _inherit(cache, old)
+                old.free()
             for entry in [e for e, (_, old) in self._entries.items() if old is cache]:
                 self._entries.pop(entry)
             self._entries[next(self._ids)] = (model_key, cache)
@@ -210,11 +238,54 @@ class PrefixCacheStore:
                 self._entries.pop(entry)[1].free()
             self._watched.discard(model_id)
 
+    def snapshot(self) -> dict:
+        """A consistent, read-only view for observability (taken under the store's lock, so it may be read while a
+        run samples): each kept entry (most recently used last) with its `prefix_key`, rows, bytes (a tensor
+        shared by two entries is in both), device, dtype, age in seconds and hits, LoRAs, and whether it is a Fun
+        ControlNet's controlled prefix; `bytes` (each tensor once), `limit_bytes`, and `evictions` where the store
+        counts them."""
+        now = time.monotonic()
+        with self._lock:
+            entries = []
+            for key, cache in self._entries.values():
+                info = _info(cache) or KeptInfo(since=now)
+                kv = cache.kv or ()
+                entries.append({
+                    "prefix_key": info.prefix_key,
+                    "rows": sum(run.rows for run in cache.runs or ()),
+                    "bytes": int(cache.nbytes),
+                    "device": None if cache.device is None else str(cache.device),
+                    "dtype": str(kv[0].dtype).replace("torch.", "") if kv else None,
+                    "age_seconds": round(now - info.since, 3),
+                    "hits": info.hits,
+                    "loras": [list(lora) for lora in key[-1]],
+                    "controlled": len(key) > 3,
+                })
+            return {"entries": entries, "bytes": _unique_bytes(c for _, c in self._entries.values()),
+                    "limit_bytes": self.limit_bytes, "evictions": int(getattr(self, "evictions", 0))}
+
     def clear(self) -> None:
         with self._lock:
             for _, cache in self._entries.values():
                 cache.free()
             self._entries.clear()
+
+
+def _count_hit(cache) -> None:
+    info = _info(cache)
+    if info is not None:
+        info.hits += 1
+
+
+def _inherit(cache, old) -> None:
+    """`cache` covers `old` (it holds every row `old` did): the kept content is older, and was read as often."""
+    mine, theirs = _info(cache), _info(old)
+    if theirs is None:
+        return
+    if mine is None:
+        cache.kept_info = KeptInfo(since=theirs.since, hits=theirs.hits, prefix_key=theirs.prefix_key)
+    else:
+        mine.since, mine.hits = min(mine.since, theirs.since), max(mine.hits, theirs.hits)
 
 
 def cache_owner(model):

@@ -254,6 +254,8 @@ def sample(
     if keep_cache and store is None:
         raise ValueError("keep_cache needs a store to keep the cache in (store=PrefixCacheStore(...)).")
     runs = [prefix_runs(p.layout, p.text, p.references) for p in prefixes]
+    # what the user gave (token ids, pixels) when the text-encode step said it, else the DiT's inputs
+    prefix_key = positive.lead_key or runs[0].leading_key()
     init = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
     mask = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
     if mask is not None and init is None:
@@ -278,7 +280,7 @@ def sample(
 
     # the caches are planned on first use: a kept entry they take out of the store is handled by `close` below
     caches = RunCaches(model, prefixes, runs, store=store, keep_cache=keep_cache, new_cache=new_cache, device=device,
-                       dtype=dtype, storage=storage) if cached else None
+                       dtype=dtype, storage=storage, prefix_key=prefix_key) if cached else None
     last_of = {phase: i for i, phase in enumerate(phases)}
     after_block = None if check_interrupt is None else (lambda index: check_interrupt())
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
@@ -353,8 +355,7 @@ def sample(
         "step_seconds": round(sum(step_times) / len(step_times), 4) if step_times else None,
         "prefix_rows_reused": held_rows - computed_rows,
         "prefix_rows_computed": computed_rows,
-        # what the user gave (token ids, pixels) when the text-encode step said it, else the DiT's inputs
-        "prefix_key": positive.lead_key or runs[0].leading_key(),
+        "prefix_key": prefix_key,
     }
     if control is not None:
         report["control"] = {**control.report(), "active_steps": sum(phases) if sampler is None else None,

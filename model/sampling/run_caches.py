@@ -57,8 +57,8 @@ class RunCaches:
     """The run's caches by phase (False: plain; True: with the control). `get(phase)` plans on first use."""
 
     def __init__(self, model, prefixes, runs, *, store: PrefixCacheStore | None, keep_cache: bool, new_cache,
-                 device, dtype, storage=None):
-        self.model, self.prefixes, self.runs = model, prefixes, runs
+                 device, dtype, storage=None, prefix_key: str | None = None):
+        self.model, self.prefixes, self.runs, self.prefix_key = model, prefixes, runs, prefix_key
         self.storage = storage  # None (the compute dtype) or a cache_storage.QuantizedRows
         self.store, self.keep_cache, self.new_cache = store, keep_cache, new_cache or PrefixKVCache
         self.compute_device, self.dtype = device, dtype
@@ -120,7 +120,7 @@ class RunCaches:
         for phase in self.phases.values():
             phase.note()
             kept = succeeded and self.keep_cache and self.store.give_back(phase.key, phase.taken, phase.cache,
-                                                                          self.model)
+                                                                          self.model, prefix_key=self.prefix_key)
             if not kept:
                 phase.cache.free()
                 if not succeeded:
