@@ -15,7 +15,6 @@ from contextlib import contextmanager
 
 import torch
 
-from ..model.latents import latent_shape
 from ..model.layers.lora import release_branches
 from ..model.memory.estimate import EncoderDims, VAEShape, encode_transient
 from ..model.memory.planner import PLAN_CHOICES, Budget, RunShape, plan_decode, plan_layers, plan_run
@@ -23,6 +22,7 @@ from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, r
 from ..model.memory.weights import dit_weights, layered_weights, module_tensors, run_layers, tensor_bytes
 from ..model.sampling.cache_store import PrefixCacheStore, cache_owner
 from ..model.transformer.controlnet import STREAM_ROW_BUFFERS
+from ..model.vae.latents import latent_shape
 from . import bridge
 
 PLAN_TOOLTIP = ("Where the DiT's weights live while it samples. auto picks the fastest plan that fits the free VRAM: "

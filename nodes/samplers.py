@@ -4,15 +4,6 @@ import json
 
 import torch
 
-from ..model.latents import (
-    LATENT_CHANNELS,
-    LATENT_TOKEN_PIXELS,
-    latent_shape,
-    latent_tokens,
-    preview_image,
-    sampling_size,
-    target_size,
-)
 from ..model.layers.kitchen import gemm_summary
 from ..model.sampling.img2img import (
     check_denoise,
@@ -24,6 +15,15 @@ from ..model.sampling.img2img import (
 )
 from ..model.sampling.loop import initial_noise, sample
 from ..model.sampling.schedule import base_sigmas, literal_sigmas, schedule_mu, turbo_sigmas
+from ..model.vae.latents import (
+    LATENT_CHANNELS,
+    LATENT_TOKEN_PIXELS,
+    latent_shape,
+    latent_tokens,
+    preview_image,
+    sampling_size,
+    target_size,
+)
 from . import bridge, placement
 from .bridge import io
 from .comfy_sampling import sampler_runner

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qi21.model.references import reference_size
+from qi21.model.encoders.references import reference_size
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "web"

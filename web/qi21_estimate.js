@@ -3,7 +3,7 @@
 // Pure functions only (no DOM, no ComfyUI), so Node can unit-test them (tests/test_web_extension.py).
 // ComfyUI also loads this file as an extension because it sits in WEB_DIRECTORY; it has no side effects.
 //
-// Numbers (the DiT's config in docs/checkpoints.md, model/references.py, model/sampling/loop.py):
+// Numbers (the DiT's config in docs/checkpoints.md, model/encoders/references.py, model/sampling/loop.py):
 // - a reference of W x H pixels is resized once to area ~ resolution^2, aspect kept, each side rounded to a
 //   multiple of 32 with Python's round (ties to even); resolution 0 keeps its own size floored to x32;
 // - each resized reference becomes (H/16) * (W/16) latent tokens in the prefix;
@@ -42,7 +42,7 @@ export function roundHalfEven(x) {
 
 /**
  * [width, height] a `w x h` image is resized to: area ~ resolution^2, aspect kept, sides rounded to x32.
- * Same floating-point operations, in the same order, as `reference_size` in model/references.py (diffusers'
+ * Same floating-point operations, in the same order, as `reference_size` in model/encoders/references.py (diffusers'
  * `calculate_dimensions`), so the results agree exactly. `resolution` 0 keeps the size, floored to x32.
  */
 export function referenceSize(w, h, resolution) {

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from einops import rearrange
 
-from ..conditioning import Conditioning
-from ..latents import LATENT_CHANNELS, latent_shape
+from ..encoders.conditioning import Conditioning
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
 from ..transformer.prefix_runs import prefix_runs
+from ..vae.latents import LATENT_CHANNELS, latent_shape
 from .cache_store import PrefixCacheStore
 from .denoiser import FlowDenoiser, run_sampler
 from .img2img import finish_latents, start_latents
