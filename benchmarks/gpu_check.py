@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
-from qi21.model.conditioning import Conditioning
-from qi21.model.latents import RELEASED_LATENT_FORMAT
+from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.loaders.dit_keys import convert_state_dict
 from qi21.model.memory.estimate import GIB, VAEShape
 from qi21.model.memory.planner import Budget, RunShape, plan_run
@@ -45,7 +44,8 @@ from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import base_sigmas, turbo_sigmas
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
 from qi21.model.transformer.prefix_cache import PrefixKVCache
-from qi21.model.vae import QwenImage21VAE, QwenImage21VAEConfig
+from qi21.model.vae.autoencoder import QwenImage21VAE, QwenImage21VAEConfig
+from qi21.model.vae.latents import RELEASED_LATENT_FORMAT
 
 SECTIONS = ("streaming", "bf16", "formats", "planner", "cache", "e2e")
 #: seconds each section is sized for on an H200 (the whole run: about 8 minutes)
