@@ -9,7 +9,11 @@ For each reference count it times, interleaving ours and diffusers' calls and ta
 - cached step: a later step that runs only the target rows against the cache;
 - our uncached/cached time ratio next to the ratio FlopCounterMode predicts for our two forwards.
 
-    python benchmarks/bench_dit.py [--layers 4] [--repeats 5] [--threads N]
+`--roofline` adds where our cached step's process CPU time goes (GEMMs, attention, norms, RoPE, modulation, copies,
+the rest) and the fraction of this machine's GEMM roofline its GEMMs reach (dit_roofline.py); `--roofline-only` skips
+the comparison.
+
+    python benchmarks/bench_dit.py [--layers 4] [--repeats 5] [--threads N] [--roofline | --roofline-only]
 """
 
 import argparse
@@ -114,8 +118,39 @@ def cpu_bench_args(doc: str, layers: int, repeats: int, add=None) -> argparse.Na
 
 
 def main():
-    args = cpu_bench_args(__doc__, layers=4, repeats=5)
+    def add(parser):
+        parser.add_argument("--roofline", action="store_true", help="also the cached step's breakdown")
+        parser.add_argument("--roofline-only", action="store_true", help="only the cached step's breakdown")
+
+    args = cpu_bench_args(__doc__, layers=4, repeats=5, add=add)
     reference, ours, ReferenceCache = build_models(args.layers)
+    if not args.roofline_only:
+        compare(args, reference, ours, ReferenceCache)
+    if args.roofline or args.roofline_only:
+        roofline(args, reference, ours, ReferenceCache)
+
+
+def roofline(args, reference, ours, ReferenceCache) -> None:
+    import dit_roofline
+
+    t = torch.tensor([0.8])
+    results, sides = {}, {}
+    for references in (0, 1, 2):
+        prefix, target, kwargs, _ = build_inputs(references)
+        cache, ref_cache = PrefixKVCache(), ReferenceCache(args.layers)
+        with torch.inference_mode():
+            ours(target, t, [prefix], cache=cache, mode="prefill")
+            reference(timestep=t, kv_cache=ref_cache, kv_cache_mode="extract", **kwargs)
+        step = partial(ours, target, t, [prefix], cache=cache, mode="cached")
+        ref_step = partial(reference, timestep=t, kv_cache=ref_cache, kv_cache_mode="cached", **kwargs)
+        results[references] = dit_roofline.breakdown(step, args.repeats)
+        sides[references] = (dit_roofline.split_step(step, args.repeats, dit_roofline.ours_wrapped),
+                             dit_roofline.split_step(ref_step, args.repeats, dit_roofline.timed_functional))
+    dit_roofline.print_table(results, dit_roofline.machine_rate(args.repeats))
+    dit_roofline.print_split(sides)
+
+
+def compare(args, reference, ours, ReferenceCache) -> None:
     t = torch.tensor([0.8])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, {args.layers} layers, "
           f"width 1024, heads 8x128, target {TARGET[0] * TARGET[1]} tokens, text {TEXT_TOKENS} tokens, "

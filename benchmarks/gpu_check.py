@@ -1,0 +1,399 @@
+"""The one-call device check: every CUDA path of the pack, correctness first, then memory and speed, in one run.
+
+On a GPU (bf16, the released width, 1024x1024 targets, references of 1024x1024) it prints one table per section:
+- `streaming`: streamed vs resident weights and the host prefix cache under memory caps, bit-identical or not, the
+  planner's predicted peak against the measured one (benchmarks/bench_streaming_gpu.py, run first on an empty GPU);
+- `bf16`: our whole DiT against diffusers' on the same weights: prefill and cached step (ms) with 0 / 1 / 2
+  references, and how far the two velocities are apart (the bf16 drift every fast path is judged against);
+- `formats`: int8 ConvRot, fp8, W4A8 (comfy-kitchen's kernels), GGUF Q8_0 and Q4_K, a LoRA: each model against a
+  plain bf16 model holding its own dequantized (and merged) weights, and its prefill / cached step next to
+  diffusers' bf16 (`--format-layers` blocks at full width: files are written and read, so not all 32);
+- `planner`: the planner's predicted device peak per phase (prefill, cached step, decode) against
+  `torch.cuda.max_memory_allocated` around each;
+- `cache`: the host-side prefix cache against the device one (same latents? seconds per step);
+- `e2e`: whole images, 40-step Base and 8-step Turbo, sampling and VAE decode (random weights, text states given:
+  the text encoder is not run).
+Each section has a time budget it is sized for (`BUDGET_S`); one that fails is reported with its error and the run goes
+on, so one call gives every result. `--sections` picks some; `--json` also writes the rows.
+
+    python benchmarks/gpu_check.py                  # on the GPU: about 8 minutes, one call
+    python benchmarks/gpu_check.py --dry-run        # CPU, tiny widths, every path reached (CI runs this)
+
+`--dry-run` runs the same code on the CPU with a 2-block, 256-wide model at 128x128: no number it prints says anything
+about a GPU (measured peaks print "n/a (CPU)"); it checks that every path runs and agrees with its twin.
+"""
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
+from qi21.model.encoders.conditioning import Conditioning
+from qi21.model.loaders.dit_keys import convert_state_dict
+from qi21.model.memory.estimate import GIB, VAEShape
+from qi21.model.memory.planner import Budget, RunShape, plan_run
+from qi21.model.memory.streaming import StreamedRun
+from qi21.model.memory.weights import dit_weights
+from qi21.model.sampling.loop import initial_noise, sample
+from qi21.model.sampling.schedule import base_sigmas, turbo_sigmas
+from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
+from qi21.model.transformer.prefix_cache import PrefixKVCache
+from qi21.model.vae.autoencoder import QwenImage21VAE, QwenImage21VAEConfig
+from qi21.model.vae.latents import RELEASED_LATENT_FORMAT
+
+SECTIONS = ("streaming", "bf16", "formats", "planner", "cache", "e2e")
+#: seconds each section is sized for on an H200 (the whole run: about 8 minutes)
+BUDGET_S = {"streaming": 90, "bf16": 60, "formats": 150, "planner": 30, "cache": 30, "e2e": 60}
+TEXT_TOKENS = 75
+#: the dry run's model: two blocks, heads of 128 (RoPE's 16/56/56), inputs a multiple of 256 (ConvRot, Q4_K)
+DRY_DIT = DiTConfig(num_layers=2, num_heads=2, head_dim=128, context_in_dim=256, mlp_ratio=3)
+DRY_VAE = QwenImage21VAEConfig(base_dim=4, decoder_base_dim=6)
+
+
+@dataclass
+class Check:
+    """What every section shares: where it runs, the shapes, and the models built once for several sections."""
+
+    device: torch.device
+    dtype: torch.dtype
+    config: DiTConfig
+    size: int  # target (and reference) side in pixels
+    repeats: int
+    format_layers: int
+    dry_run: bool
+    built: dict = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.size // 16, self.size // 16
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def median_ms(self, fn, repeats: int | None = None) -> float:
+        """Median wall time of `fn` in ms (CUDA events on a GPU), after one warm-up call."""
+        fn()
+        samples = []
+        for _ in range(repeats or self.repeats):
+            self.sync()
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    def peak(self, fn):
+        """(result, bytes the call allocated at its peak above what was allocated before it); None on a CPU."""
+        if not self.cuda:
+            return fn(), None
+        self.sync()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        out = fn()
+        self.sync()
+        return out, torch.cuda.max_memory_allocated(self.device) - before
+
+    def release(self) -> None:
+        self.built.clear()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    # -- shared models and inputs --------------------------------------------------------------------------------
+    def pair(self, layers: int | None = None):
+        """(diffusers' transformer, ours) on the same random weights (bf16-rounded), `layers` blocks, kept."""
+        layers = layers or self.config.num_layers
+        if ("pair", layers) not in self.built:
+            self.built[("pair", layers)] = random_pair(self.config, layers, self.device, self.dtype)
+        return self.built[("pair", layers)]
+
+    def case(self, references: int, config: DiTConfig | None = None):
+        """(conditioning, prefix, target (1, T, 64), diffusers' keyword arguments) of a template-like prompt."""
+        config = config or self.config
+        generator = torch.Generator().manual_seed(references)
+        grid = self.grid
+        slots = [False] * 20
+        for _ in range(references):
+            slots += [True] * (grid[0] * grid[1] // 4) + [False] * 3
+        slots += [False] * (TEXT_TOKENS - slots.count(False))
+        slot_mask = torch.tensor(slots)
+        text = torch.randn(len(slots), config.context_in_dim, generator=generator)
+        refs = torch.randn(references * grid[0] * grid[1], 64, generator=generator)
+        target = torch.randn(1, grid[0] * grid[1], 64, generator=generator)
+        cond = Conditioning(text=text, image_slots=slot_mask, references=refs if references else None,
+                            ref_shapes=(grid,) * references)
+        on = dict(device=self.device, dtype=self.dtype)
+        prefix = PrefixInputs(layout=cond.layout(grid), text=text.to(**on),
+                              references=refs.to(**on) if references else None)
+        kwargs = dict(hidden_states=torch.cat([refs[None], target], dim=1).to(**on),
+                      encoder_hidden_states=text[None].to(**on),
+                      img_shapes=[[(1, *grid)] * references + [(1, *grid)]],
+                      img_mask=torch.cat([slot_mask, torch.ones(grid[0] * grid[1] // 4, dtype=torch.bool)])[None]
+                      .to(self.device))
+        return cond, prefix, target.to(**on), kwargs
+
+
+def random_pair(config: DiTConfig, layers: int, device, dtype):
+    """diffusers' `QwenImage21Transformer2DModel` with random weights scaled like trained ones (norm scales near 1,
+    the zero-centred text norm near 0), rounded to `dtype`, and our DiT loaded from its state dict."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        reference = QwenImage21Transformer2DModel(
+            num_layers=layers, num_attention_heads=config.num_heads, attention_head_dim=config.head_dim,
+            context_in_dim=config.context_in_dim, mlp_ratio=config.mlp_ratio, axes_dims_rope=config.axes_dims_rope,
+        ).to(dtype).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if param.ndim == 1:
+                param.copy_((0.0 if "text_norm" in name else 1.0) + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0, param.shape[1] ** -0.5)
+    ours = QwenImage21DiT(DiTConfig(**{**config.__dict__, "num_layers": layers}), device=device, dtype=dtype)
+    ours.load_state_dict(convert_state_dict(reference.state_dict()))
+    ours.compute_dtype = dtype
+    return reference, ours.eval()
+
+
+def rel_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.float(), expected.float()
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+def gib(nbytes) -> str:
+    return "n/a (CPU)" if nbytes is None else f"{nbytes / GIB:.2f}"
+
+
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+
+
+def dit_calls(check: Check, reference, ours, prefix, target, kwargs):
+    """(our prefill, our cached step, diffusers' prefill, diffusers' cached step) as calls on their own caches."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    t = torch.tensor([0.8], device=check.device)
+    mine, theirs = PrefixKVCache(), QwenImage21KVCache(len(reference.transformer_blocks))
+    return (lambda: ours(target, t, [prefix], cache=mine, mode="prefill"),
+            lambda: ours(target, t, [prefix], cache=mine, mode="cached"),
+            lambda: reference(timestep=t, kv_cache=theirs, kv_cache_mode="extract", **kwargs),
+            lambda: reference(timestep=t, kv_cache=theirs, kv_cache_mode="cached", **kwargs)[0][:, -target.shape[1]:])
+
+
+# -- sections -----------------------------------------------------------------------------------------------------
+def section_streaming(check: Check) -> list[dict]:
+    import bench_streaming_gpu
+
+    check.release()  # the caps limit the whole process: nothing else may sit on the GPU
+    args = ["--dry-run", "--steps", "2", "--references", "1"] if check.dry_run else \
+        ["--caps", "12", "24", "--references", "1", "--steps", "3"]
+    print("\n### streaming: streamed / host cache vs resident (bench_streaming_gpu.py " + " ".join(args) + ")\n")
+    return bench_streaming_gpu.main(args)
+
+
+def section_bf16(check: Check) -> list[dict]:
+    reference, ours = check.pair()
+    rows = []
+    with torch.inference_mode():
+        for refs in (0, 1, 2):
+            _, prefix, target, kwargs = check.case(refs)
+            our_prefill, our_step, their_prefill, their_step = dit_calls(check, reference, ours, prefix, target, kwargs)
+            times = {name: check.median_ms(fn) for name, fn in
+                     (("ours prefill", our_prefill), ("diffusers prefill", their_prefill),
+                      ("ours cached", our_step), ("diffusers cached", their_step))}
+            rows.append({"references": refs, "prefix": prefix.layout.prefix_len, **times,
+                         "rel_diff_cached": rel_diff(our_step(), their_step())})
+    table(f"bf16: our DiT vs diffusers' ({ours.config.num_layers} blocks, {check.size}x{check.size}, ms)",
+          ["refs", "prefix tokens", "prefill ours / diffusers", "cached step ours / diffusers", "cached ratio",
+           "rel. diff of the cached velocity"],
+          [[r["references"], r["prefix"], f"{r['ours prefill']:.1f} / {r['diffusers prefill']:.1f}",
+            f"{r['ours cached']:.1f} / {r['diffusers cached']:.1f}",
+            f"{r['ours cached'] / r['diffusers cached']:.3f}", f"{r['rel_diff_cached']:.2e}"] for r in rows])
+    return rows
+
+
+def section_formats(check: Check) -> list[dict]:
+    import gpu_check_formats
+
+    return gpu_check_formats.run(check)
+
+
+def planned_phases(check: Check, ours, cond, batch: int = 1) -> dict[str, int]:
+    grid = check.grid
+    run = RunShape((cond.layout(grid).prefix_len,), grid, batch=batch,
+                   reference_tokens=tuple(h * w for h, w in cond.ref_shapes))
+    itemsize = torch.empty((), dtype=check.dtype).element_size()
+    budget = Budget(1 << 50, host=None, unified=not check.cuda, where=str(check.device))
+    vae = VAEShape.released(itemsize) if not check.dry_run else VAEShape.of(check_vae(check))
+    return plan_run(dit_weights(ours), ours.config, run, budget, itemsize, choice="resident", vae=vae).phases
+
+
+def check_vae(check: Check) -> QwenImage21VAE:
+    """A random VAE of the released shape (the dry run's: 4/6 channels wide), on the device, kept."""
+    if "vae" not in check.built:
+        torch.manual_seed(0)
+        config = DRY_VAE if check.dry_run else QwenImage21VAEConfig()
+        check.built["vae"] = QwenImage21VAE(config).to(device=check.device, dtype=check.dtype).eval()
+    return check.built["vae"]
+
+
+def section_planner(check: Check) -> list[dict]:
+    ours = our_model(check)
+    check.built.pop(("pair", ours.config.num_layers), None)  # diffusers' weights off the device: only ours counts
+    check.release()
+    check.built["ours"] = ours
+    cond, prefix, target, _ = check.case(1)
+    phases = planned_phases(check, ours, cond)
+    weights = sum(p.numel() * p.element_size() for p in ours.parameters())
+    cache = PrefixKVCache()
+    t = torch.tensor([0.8], device=check.device)
+    vae = check_vae(check)
+    vae_bytes = sum(p.numel() * p.element_size() for p in vae.parameters())
+    with torch.inference_mode():
+        _, prefill = check.peak(lambda: ours(target, t, [prefix], cache=cache, mode="prefill"))
+        velocity, step = check.peak(lambda: ours(target, t, [prefix], cache=cache, mode="cached"))
+        held = cache.nbytes
+        latents = RELEASED_LATENT_FORMAT.denormalize(velocity.transpose(1, 2).reshape(1, 64, *check.grid))
+        cache.free()
+        del velocity
+        _, decode = check.peak(lambda: vae.decode(latents, tiled=False))
+    measured = {"prefill": None if prefill is None else weights + prefill,
+                "cached": None if step is None else weights + held + step,
+                "decode": None if decode is None else vae_bytes + decode}
+    rows = [{"phase": phase, "predicted_gib": phases[phase] / GIB,
+             "measured_gib": None if measured[phase] is None else measured[phase] / GIB} for phase in measured]
+    table(f"planner: predicted vs measured device peak per phase (1 reference, {check.size}x{check.size}, GiB)",
+          ["phase", "predicted", "measured", "measured / predicted"],
+          [[r["phase"], f"{r['predicted_gib']:.2f}", gib(measured[r["phase"]]),
+            "n/a (CPU)" if r["measured_gib"] is None else f"{r['measured_gib'] / r['predicted_gib']:.3f}"]
+           for r in rows])
+    print("measured: the step's own peak above what was allocated before it, plus what the phase holds (the DiT's "
+          "weights, and in the cached step the prefix cache it reads; the VAE's weights for the decode)")
+    return rows
+
+
+def our_model(check: Check) -> QwenImage21DiT:
+    if "ours" not in check.built:
+        check.built["ours"] = check.pair()[1]
+    return check.built["ours"]
+
+
+def section_cache(check: Check) -> list[dict]:
+    ours = our_model(check)
+    cond = check.case(1)[0]
+    rows, baseline = [], None
+    for where in ("device", "host"):
+        with torch.inference_mode(), StreamedRun(ours, (), where, check.device) as streamed:
+            result = sample(ours, cond, sigmas=turbo_sigmas()[:4], width=check.size, height=check.size,
+                            noise=initial_noise(0, 1, check.size, check.size), new_cache=streamed.new_cache)
+        latents = result.latents.float().cpu()
+        baseline = latents if baseline is None else baseline
+        rows.append({"cache": where, "step_seconds": result.report["step_seconds"],
+                     "prefill_seconds": result.report["prefill_seconds"],
+                     "bit_identical": bool(torch.equal(latents, baseline)),
+                     "max_abs_diff": float((latents - baseline).abs().max())})
+    table("cache: the host-side prefix cache vs the device one (3 Turbo steps, 1 reference)",
+          ["cache", "prefill s", "s / cached step", "vs device", "bit-identical", "max abs diff"],
+          [[r["cache"], r["prefill_seconds"], r["step_seconds"], f"{r['step_seconds'] / rows[0]['step_seconds']:.3f}",
+            r["bit_identical"], f"{r['max_abs_diff']:.3g}"] for r in rows])
+    return rows
+
+
+def section_e2e(check: Check) -> list[dict]:
+    ours, vae = our_model(check), check_vae(check)
+    cond = check.case(0)[0]
+    rows = []
+    runs = (("Base, 40 steps", base_sigmas(40, check.size, check.size)), ("Turbo, 8 steps", turbo_sigmas()))
+    for name, sigmas in runs:
+        check.sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            result = sample(ours, cond, sigmas=sigmas, width=check.size, height=check.size, seed=0)
+            check.sync()
+            sampled = time.perf_counter()
+            pixels = vae.decode(RELEASED_LATENT_FORMAT.denormalize(result.latents)).float().cpu()
+        end = time.perf_counter()
+        rows.append({"run": name, "sample_s": sampled - start, "decode_s": end - sampled, "total_s": end - start,
+                     "prefill_s": result.report["prefill_seconds"], "step_s": result.report["step_seconds"],
+                     "finite": bool(torch.isfinite(pixels).all())})
+    table(f"e2e: whole images, {check.size}x{check.size}, text-to-image (text states given, random weights, s)",
+          ["run", "sampling", "prefill", "per cached step", "decode", "total", "finite"],
+          [[r["run"], f"{r['sample_s']:.2f}", r["prefill_s"], r["step_s"], f"{r['decode_s']:.2f}",
+            f"{r['total_s']:.2f}", r["finite"]] for r in rows])
+    return rows
+
+
+RUNNERS = {"streaming": section_streaming, "bf16": section_bf16, "formats": section_formats,
+           "planner": section_planner, "cache": section_cache, "e2e": section_e2e}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny widths: every path, no GPU numbers")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--layers", type=int, default=None, help="DiT blocks (default: 32; the dry run: 2)")
+    parser.add_argument("--format-layers", type=int, default=2, help="blocks of the per-format models")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per median (GPU 5, dry run 1)")
+    parser.add_argument("--json", type=Path, help="also write every section's rows here")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        device, dtype, config, size = torch.device("cpu"), torch.float32, DRY_DIT, 128
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run with --dry-run on a CPU.")
+        device, dtype, config, size = torch.device("cuda"), torch.bfloat16, DiTConfig(), 1024
+    if args.layers:
+        config = DiTConfig(**{**config.__dict__, "num_layers": args.layers})
+    check = Check(device, dtype, config, size, args.repeats or (1 if args.dry_run else 5),
+                  min(args.format_layers, config.num_layers), args.dry_run)
+    name = torch.cuda.get_device_name(device) if check.cuda else "CPU (dry run: tiny widths, no GPU numbers)"
+    print(f"# gpu_check on {name}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, "
+          f"{config.num_layers} blocks of width {config.width}, {size}x{size}; sections: {' '.join(args.sections)}")
+    results, started, threads = {}, time.perf_counter(), torch.get_num_threads()
+    if args.dry_run:
+        torch.set_num_threads(1)  # tiny GEMMs: threads only contend (restored below, for callers in-process)
+    try:
+        for section in args.sections:
+            run_section(check, section, results)
+    finally:
+        torch.set_num_threads(threads)
+    failed = [s for s, r in results.items() if not r["ok"]]
+    print(f"\n# done in {time.perf_counter() - started:.0f} s; failed sections: {', '.join(failed) or 'none'}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+def run_section(check: Check, section: str, results: dict) -> None:
+    """Run one section into `results[section]`; a failure is printed with its traceback and recorded, not raised."""
+    begin = time.perf_counter()
+    try:
+        rows = RUNNERS[section](check)
+        results[section] = {"ok": True, "rows": rows}
+    except Exception as error:  # one failing section is reported; the others still run
+        results[section] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        print(f"\n### {section}: FAILED\n\n```\n{traceback.format_exc(limit=6)}```")
+    spent = time.perf_counter() - begin
+    results[section]["seconds"] = round(spent, 1)
+    over = "" if check.dry_run or spent <= BUDGET_S[section] else f" (over its {BUDGET_S[section]} s budget)"
+    print(f"\n[{section}: {'ok' if results[section]['ok'] else 'FAILED'} in {spent:.1f} s{over}]", flush=True)
+
+
+if __name__ == "__main__":
+    results = main()
+    raise SystemExit(1 if any(not r["ok"] for r in results.values()) else 0)

@@ -1,0 +1,56 @@
+"""benchmarks/gpu_check.py, the one-call device script, in its CPU dry run: every section runs, every fast path agrees
+with its twin, the output names every path a GPU run times, no GPU figure is made up, and a failing section is
+reported while the others still run."""
+
+import pytest
+
+pytest.importorskip("comfy_kitchen")
+pytest.importorskip("gguf")
+pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    import sys
+    from pathlib import Path
+
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, benchmarks)  # the script imports its siblings by name, as when run from benchmarks/
+    try:
+        import gpu_check
+
+        yield gpu_check
+    finally:
+        sys.path.remove(benchmarks)
+
+
+def test_the_dry_run_reaches_every_path_and_every_path_matches(gpu_check, capsys):
+    results = gpu_check.main(["--dry-run"])
+    out = capsys.readouterr().out
+    assert {name: r["ok"] for name, r in results.items()} == {name: True for name in gpu_check.SECTIONS}, out
+    assert all(r["bit_identical"] for r in results["streaming"]["rows"])
+    assert {r["cache"]: r["bit_identical"] for r in results["cache"]["rows"]} == {"device": True, "host": True}
+    formats = {r["model"]: r for r in results["formats"]["rows"]}
+    assert set(formats) == {"diffusers bf16", "bf16 file", "int8_convrot", "fp8", "w4a8", "Q8_0", "Q4_K",
+                            "LoRA r32 on the bf16 file"}
+    for name, row in formats.items():  # fp32 on a CPU: every format dequantized per layer, equal to its twin
+        assert name == "diffusers bf16" or row["rel_diff_vs_twin"] <= 1e-5, (name, row)
+    assert all(r["rel_diff_cached"] <= 1e-5 for r in results["bf16"]["rows"])  # fp32: ours == diffusers
+    assert [r["measured_gib"] for r in results["planner"]["rows"]] == [None, None, None]
+    assert [r["phase"] for r in results["planner"]["rows"]] == ["prefill", "cached", "decode"]
+    assert [r["run"] for r in results["e2e"]["rows"]] == ["Base, 40 steps", "Turbo, 8 steps"]
+    assert all(r["finite"] for r in results["e2e"]["rows"])
+    for name in ("int8_convrot", "fp8", "w4a8", "Q8_0", "Q4_K", "LoRA", "host", "streamed 0/4", "n/a (CPU)"):
+        assert name in out, name
+
+
+def test_a_failing_section_is_reported_and_the_others_still_run(gpu_check, monkeypatch, capsys):
+    def broken(check):
+        raise RuntimeError("out of device memory (simulated)")
+
+    monkeypatch.setitem(gpu_check.RUNNERS, "planner", broken)
+    results = gpu_check.main(["--dry-run", "--sections", "planner", "cache"])
+    out = capsys.readouterr().out
+    assert results["planner"] == {"ok": False, "error": "RuntimeError: out of device memory (simulated)",
+                                  "seconds": results["planner"]["seconds"]}
+    assert results["cache"]["ok"] and "### planner: FAILED" in out and "failed sections: planner" in out
