@@ -54,6 +54,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+from ..model.encoders import transformers_compat as compat
 from ..model.loaders.text_encoder import MAX_POSITIONS, RMS_NORM_EPS, ROPE_THETA, VISION_HEADS
 from ..model.sampling.schedule import TURBO_SIGMAS
 from ..model.transformer.dit import DiTConfig, QwenImage21DiT
@@ -346,8 +347,7 @@ def tiny_text_encoder_config() -> Qwen3VLConfig:
     text = dict(vocab_size=QWEN_VOCAB_ROWS, hidden_size=TINY_DIT.context_in_dim, intermediate_size=32,
                 num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=8, attention_bias=False,
                 rms_norm_eps=RMS_NORM_EPS, max_position_embeddings=MAX_POSITIONS,
-                rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": [2, 1, 1],
-                                 "mrope_interleaved": True})
+                **compat.text_rope_settings(ROPE_THETA, [2, 1, 1]))
     vision = dict(depth=27, hidden_size=64, intermediate_size=48, num_heads=VISION_HEADS,
                   out_hidden_size=TINY_DIT.context_in_dim, in_channels=3, patch_size=16, temporal_patch_size=2,
                   spatial_merge_size=2, num_position_embeddings=64, deepstack_visual_indexes=[8, 16, 24])

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-from transformers import Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # Qwen2Tokenizer's pre-tokenizer split
 
+from ..model.encoders import transformers_compat as compat
 from ..model.encoders.prompt_template import SYSTEM_PROMPT
 from ..model.loaders.text_encoder import IMAGE_PROCESSOR_DEFAULTS
 
@@ -88,7 +88,8 @@ def write_processor(tokenizer_dir: Path, folder: Path) -> Path:
     """A diffusers `processor/` folder: the tokenizer as transformers 5 saves it (tokenizer.json +
     tokenizer_config.json) and the released image-processor settings (`preprocessor_config.json`)."""
     folder = Path(folder)
-    Qwen2Tokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(str(folder))
+    tokenizer = compat.qwen2_tokenizer_class().from_pretrained(str(tokenizer_dir), local_files_only=True)
+    tokenizer.save_pretrained(str(folder))
     settings = dict(IMAGE_PROCESSOR_DEFAULTS, image_processor_type="Qwen2VLImageProcessorFast",
                     processor_class="Qwen3VLProcessor", do_resize=True, do_rescale=True, do_normalize=True,
                     do_convert_rgb=True)

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 # The generated tokenizer lives with the tiny checkpoint set (one copy); re-exported for the tests that use it.
 from qi21.demo.tiny_tokenizer import FIRST_ADDED_ID, QWEN_ADDED_TOKENS, TOKENIZER_CORPUS, write_qwen2_tokenizer  # noqa: F401
+from qi21.model.encoders import transformers_compat as compat
 from qi21.model.loaders.text_encoder import IMAGE_PROCESSOR_DEFAULTS
 
 #: Test setting (read by the tests only): a folder with the real Qwen2 tokenizer (vocab.json + merges.txt +
@@ -59,8 +59,7 @@ CHAT_TEMPLATE = (
 def tiny_config() -> Qwen3VLConfig:
     text = dict(vocab_size=151936, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=262144,
-                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [4, 2, 2],
-                                 "mrope_interleaved": True})
+                **compat.text_rope_settings(5_000_000.0, [4, 2, 2]))
     vision = dict(depth=3, hidden_size=128, intermediate_size=96, num_heads=16, out_hidden_size=32, patch_size=16,
                   temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64,
                   deepstack_visual_indexes=[0, 1, 2])
@@ -104,7 +103,7 @@ def write_tokenizer(source: Path, folder: Path, style: str) -> None:
     if style == "old":
         shutil.copytree(source, folder, dirs_exist_ok=True)
     else:
-        Qwen2Tokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(folder))
+        compat.qwen2_tokenizer_class().from_pretrained(str(source), local_files_only=True).save_pretrained(str(folder))
 
 
 def write_diffusers_folder(model, root: Path, tokenizer_dir: Path, processor_style: str) -> Path:
@@ -150,7 +149,7 @@ def reference_processor(monkeypatch, tokenizer_dir: Path) -> Qwen3VLProcessor:
         return None if name == "video_processor" and arg is None else original(self, name, arg)
 
     monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", check)
-    tokenizer = Qwen2Tokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    image_processor = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR_DEFAULTS)
+    tokenizer = compat.qwen2_tokenizer_class().from_pretrained(str(tokenizer_dir), local_files_only=True)
+    image_processor = compat.pil_image_processor(**IMAGE_PROCESSOR_DEFAULTS)
     return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
                             chat_template=CHAT_TEMPLATE)

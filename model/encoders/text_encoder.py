@@ -20,7 +20,6 @@ docs/checkpoints.md, "Text encoder"):
 from files lives in `loaders/text_encoder.py`.
 """
 
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from PIL import Image
 from torch import nn
 from transformers import DynamicCache
 
+from . import transformers_compat as compat
 from .prompt_cache import LeadingRun, PromptCache, VisionOutput, image_key, run_key
 from .prompt_template import MAX_ROPE_POSITIONS, PromptTokenizer
 
@@ -66,14 +66,6 @@ class EncodedBatch:
     embeds: torch.Tensor
     prompt_mask: torch.Tensor
     image_slots: torch.Tensor
-
-
-class _VisionBatch:
-    """Vision-tower outputs in the form transformers' `mm_encoder_outputs` takes: per-image merged tokens and, per
-    DeepStack layer, per-image features."""
-
-    def __init__(self, pooler_output, deepstack_features):
-        self.pooler_output, self.deepstack_features = tuple(pooler_output), [tuple(f) for f in deepstack_features]
 
 
 def _batch(encoded: list) -> "EncodedBatch":
@@ -217,9 +209,10 @@ class QwenImageTextEncoder:
         inputs = {
             "input_ids": input_ids.to(device),
             "attention_mask": attention_mask.to(device),
-            # text 0, image 1: what transformers' processor returns; it drives the 3D (M-RoPE) positions
-            "mm_token_type_ids": (input_ids == self.image_token_id).long().to(device),
         }
+        if compat.forward_takes(self.model, "mm_token_type_ids"):  # transformers >= 5.3
+            # text 0, image 1: what transformers' processor returns; it drives the 3D (M-RoPE) positions
+            inputs["mm_token_type_ids"] = (input_ids == self.image_token_id).long().to(device)
         if vision:  # every prompt carries the same images, one set per prompt, in placeholder order
             inputs["pixel_values"] = vision["pixel_values"].repeat(len(rows), 1).to(device)
             inputs["image_grid_thw"] = vision["image_grid_thw"].repeat(len(rows), 1).to(device)
@@ -232,10 +225,6 @@ class QwenImageTextEncoder:
                                          token_ids=ids))
         return _batch(encoded)
 
-    def _cache_argument(self) -> str:
-        """transformers' name for a forward's key/value cache: `cache` (>= 5.2x), `past_key_values` before."""
-        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-
     def _vision_output(self, image: Image.Image, slots: int) -> tuple[str, VisionOutput]:
         """(key, vision-tower output) of one reference, from `prompt_cache` when it was seen at this size."""
         key = "vision:" + image_key(image, image.size)
@@ -243,8 +232,8 @@ class QwenImageTextEncoder:
         if kept is None:
             vision = self.prompts.vision_inputs([image], [slots])
             grid = vision["image_grid_thw"].to(self.device)
-            got = self.model.get_image_features(vision["pixel_values"].to(self.device), grid, return_dict=True)
-            kept = VisionOutput(got.pooler_output[0], tuple(layer[0] for layer in got.deepstack_features),
+            tokens, deepstack = compat.image_features(self.model, vision["pixel_values"].to(self.device), grid)
+            kept = VisionOutput(tokens[0], tuple(layer[0] for layer in deepstack),
                                 tuple(vision["image_grid_thw"][0].tolist()))
             self.prompt_cache.put(key, kept)
         return key, kept
@@ -264,16 +253,15 @@ class QwenImageTextEncoder:
         positions = []
         for row in rows:  # M-RoPE positions of the whole prompt, sliced for the leading run and the instruction
             ids = torch.tensor(row, dtype=torch.long)[None]
-            positions.append(self.model.get_rope_index(ids, (ids == self.image_token_id).long(), grids)[0])
+            positions.append(compat.rope_index(self.model, ids, self.image_token_id, grids))
         if run is None:
             ids = torch.tensor(rows[0][:lead], dtype=torch.long)[None].to(device)
             depth = len(vision[0][1].deepstack)
-            outputs = _VisionBatch([o.tokens.to(device) for _, o in vision],
-                                   [[o.deepstack[j].to(device) for _, o in vision] for j in range(depth)])
-            out = self.model(input_ids=ids, position_ids=positions[0][:, :, :lead].to(device), use_cache=True,
-                             mm_encoder_outputs={"image": outputs})
-            kept = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
-            run = LeadingRun(out.last_hidden_state[0], tuple((layer.keys, layer.values) for layer in kept.layers))
+            out = compat.run_with_vision(self.model, ids, positions[0][:, :, :lead].to(device),
+                                         [o.tokens.to(device) for _, o in vision],
+                                         [[o.deepstack[j].to(device) for _, o in vision] for j in range(depth)],
+                                         self.image_token_id)
+            run = LeadingRun(out.last_hidden_state[0], compat.cache_layers(compat.output_cache(out)))
             self.prompt_cache.put(key, run)
             run = self.prompt_cache.get(key) or run  # the kept copy: the same bits every later encoding returns
         states = run.states.to(device)
@@ -284,7 +272,7 @@ class QwenImageTextEncoder:
                 past.update(k.to(device), v.to(device), layer)
             suffix = torch.tensor(row[lead:], dtype=torch.long)[None].to(device)
             out = self.model(input_ids=suffix, position_ids=position[:, :, lead:].to(device), use_cache=True,
-                             **{self._cache_argument(): past})
+                             **{compat.cache_argument(self.model): past})
             hidden = torch.cat([states, out.last_hidden_state[0]])
             ids = torch.tensor(row, dtype=torch.long, device=device)[self.drop_tokens :]
             encoded.append(EncodedPrompt(embeds=hidden[self.drop_tokens :].clone(),

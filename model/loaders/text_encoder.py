@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Qwen2Tokenizer, Qwen3VLConfig
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
+from ..encoders import transformers_compat as compat
 from ..encoders.text_encoder import QwenImageTextEncoder
 from .checkpoint import (
     FILE_DTYPES,
@@ -152,11 +152,11 @@ def _image_processor_settings(folder: Path) -> dict:
     return settings
 
 
-def load_processor(folder) -> tuple[Qwen2Tokenizer, Qwen2VLImageProcessorPil]:
+def load_processor(folder) -> tuple:
     """(tokenizer, PIL image processor) from a processor/tokenizer folder, offline."""
     folder = Path(folder)
-    tokenizer = Qwen2Tokenizer.from_pretrained(str(folder), local_files_only=True)
-    return tokenizer, Qwen2VLImageProcessorPil(**_image_processor_settings(folder))
+    tokenizer = compat.qwen2_tokenizer_class().from_pretrained(str(folder), local_files_only=True)
+    return tokenizer, compat.pil_image_processor(**_image_processor_settings(folder))
 
 
 # -- what the weights are ----------------------------------------------------------------------------------------
@@ -241,13 +241,12 @@ def _config_from_shapes(s: dict[str, tuple], config: dict | None, where: str) ->
     }
     deepstack = count_indexed(s, r"visual\.deepstack_merger_list\.(\d+)\.")
     if config is None:
-        text.update(rms_norm_eps=RMS_NORM_EPS, max_position_embeddings=MAX_POSITIONS, rope_parameters={
-            "rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": _scaled_mrope(head_dim),
-            "mrope_interleaved": True})
+        text.update(rms_norm_eps=RMS_NORM_EPS, max_position_embeddings=MAX_POSITIONS,
+                    **compat.text_rope_settings(ROPE_THETA, _scaled_mrope(head_dim)))
         vision.update(num_heads=VISION_HEADS, deepstack_visual_indexes=_deepstack_indexes(depth, deepstack))
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
     try:
-        result = Qwen3VLConfig.from_dict(config)
+        result = Qwen3VLConfig.from_dict(compat.config_dict(config))
     except (TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{where} is not a Qwen3-VL config ({error}).") from None
     wrong = [f"text {k}: config {getattr(result.text_config, k)}, weights {v}" for k, v in text.items()
@@ -272,12 +271,13 @@ def build_empty_model(config: Qwen3VLConfig, device) -> Qwen3VLModel:
     for name, module in list(model.named_modules()):
         if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
             # the rotary embeddings compute their tables from the config; rebuild them off the meta device
-            if not hasattr(module, "config"):
+            rebuilt = compat.rebuild_rotary(module)
+            if rebuilt is None:
                 raise RuntimeError(
                     f"{name} ({type(module).__name__}) holds computed buffers the loader cannot rebuild."
                 )
             parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, type(module)(module.config).to(device))
+            setattr(model.get_submodule(parent) if parent else model, leaf, rebuilt.to(device))
     return model
 
 
