@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 import bench_pack  # noqa: E402,F401  (registers the repository as package `qi21`)
-from qi21.model.conditioning import Conditioning  # noqa: E402
+from qi21.model.encoders.conditioning import Conditioning  # noqa: E402
 from qi21.model.loaders.dit_keys import convert_state_dict  # noqa: E402
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT  # noqa: E402
 from qi21.model.transformer.prefix_cache import PrefixKVCache  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from bench_dit import build_models, cpu_bench_args, flops
-from qi21.model.conditioning import Conditioning
+from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.sampling.run_caches import share_leading_runs
 from qi21.model.transformer.dit import PrefixInputs
 from qi21.model.transformer.prefix_cache import PrefixKVCache
@@ -120,7 +120,7 @@ def text_encoder_rows(repeats: int) -> list[str]:
 
 
 def _text_encoder_rows(encoder, repeats: int) -> list[str]:
-    from qi21.model.references import prepare_reference
+    from qi21.model.encoders.references import prepare_reference
 
     generator = torch.Generator().manual_seed(0)
     references = [prepare_reference(torch.rand(1, 512, 512, 3, generator=generator), resolution=512)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import bench_pack  # noqa: E402,F401  (registers the repository as package `qi21`)
-from qi21.model.conditioning import Conditioning  # noqa: E402
+from qi21.model.encoders.conditioning import Conditioning  # noqa: E402
 from qi21.model.memory.estimate import GIB  # noqa: E402
 from qi21.model.memory.planner import Budget, RunShape, least_memory, plan_run, sampling_phases
 from qi21.model.memory.streaming import StreamedRun, place_layers  # noqa: E402

@@ -57,7 +57,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from ..model.loaders.text_encoder import MAX_POSITIONS, RMS_NORM_EPS, ROPE_THETA, VISION_HEADS
 from ..model.sampling.schedule import TURBO_SIGMAS
 from ..model.transformer.dit import DiTConfig, QwenImage21DiT
-from ..model.vae import QwenImage21VAE, QwenImage21VAEConfig
+from ..model.vae.autoencoder import QwenImage21VAE, QwenImage21VAEConfig
 from .tiny_tokenizer import QWEN_VOCAB_ROWS, write_processor, write_qwen2_tokenizer
 
 #: The tiny DiT. Text width = the tiny text encoder's hidden size.

@@ -9,8 +9,8 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 from transformers import Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # Qwen2Tokenizer's pre-tokenizer split
 
+from ..model.encoders.prompt_template import SYSTEM_PROMPT
 from ..model.loaders.text_encoder import IMAGE_PROCESSOR_DEFAULTS
-from ..model.text_encoder import SYSTEM_PROMPT
 
 #: Qwen2's added tokens at their real ids (id, text, special), as Qwen2/Qwen2.5/Qwen3-VL tokenizers list them.
 QWEN_ADDED_TOKENS = tuple((151643 + i, text, special) for i, (text, special) in enumerate((

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..model.references import MIN_VLM_PIXELS, reference_size
+from ..model.encoders.references import MIN_VLM_PIXELS, reference_size
 from ..nodes import NODES, bridge
 from ..nodes.validation import widget_option, widget_problem
 from .core_nodes import (

@@ -3,6 +3,7 @@ that talks to ComfyUI. Node ids, input names and their order are a contract (lis
 saved workflows match widget values by position, so inputs are only ever appended, and `NODES` only grows."""
 
 from .bridge import ComfyExtension, io
+from .cache import QI21CacheOptions
 from .conditioning import QI21Reference, QI21TextEncode
 from .controlnet import QI21ControlNetApply, QI21ControlNetLoader
 from .decode import QI21VAEDecode
@@ -15,7 +16,7 @@ from .schedule import QI21Sigmas
 
 NODES = [QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader, QI21Reference, QI21TextEncode, QI21Sampler,
          QI21TurboSampler, QI21VAEDecode, QI21Sigmas, QI21VAEEncode, QI21LoraLoader, QI21ControlNetLoader,
-         QI21ControlNetApply]
+         QI21ControlNetApply, QI21CacheOptions]
 
 
 register_routes()  # /qi21/route_key, /qi21/caches, /qi21/metrics on ComfyUI's server (nothing without it)

@@ -2,8 +2,14 @@
 
 import torch
 
-from ..model.pipeline import MAX_REFERENCES, chain_references, check_room_for_reference, encode_prepared, encode_prompt
-from ..model.references import prepare_reference
+from ..model.encoders.pipeline import (
+    MAX_REFERENCES,
+    chain_references,
+    check_room_for_reference,
+    encode_prepared,
+    encode_prompt,
+)
+from ..model.encoders.references import prepare_reference
 from . import bridge, placement
 from .bridge import io
 from .types import CATEGORY, VAE, Conditioning, References, TextEncoder

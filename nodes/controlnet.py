@@ -2,7 +2,7 @@
 (model/loaders/controlnet.py). Like the LoRA node, applying returns a model copy that shares every weight; the
 samplers then run the control on the steps of its window and keep the prefix cache on (docs/controlnet.md)."""
 
-from ..model.control import control_latents
+from ..model.encoders.control import control_latents
 from ..model.loaders.controlnet import apply_controlnet, load_controlnet
 from . import bridge, placement
 from .bridge import io

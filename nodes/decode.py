@@ -2,7 +2,7 @@
 
 import torch
 
-from ..model.pipeline import decode_images
+from ..model.encoders.pipeline import decode_images
 from . import placement
 from .bridge import io
 from .types import CATEGORY, VAE

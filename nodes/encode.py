@@ -1,6 +1,6 @@
 """VAE encode: an IMAGE (RGB or RGBA) into a raw Qwen-Image 2.1 LATENT, for img2img and inpainting."""
 
-from ..model.pipeline import encode_images
+from ..model.encoders.pipeline import encode_images
 from . import bridge, placement
 from .bridge import io
 from .decode import TILED

@@ -15,14 +15,15 @@ from contextlib import contextmanager
 
 import torch
 
-from ..model.latents import latent_shape
 from ..model.layers.lora import release_branches
 from ..model.memory.estimate import EncoderDims, VAEShape, encode_transient
 from ..model.memory.planner import PLAN_CHOICES, Budget, RunShape, plan_decode, plan_layers, plan_run
 from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
 from ..model.memory.weights import dit_weights, layered_weights, module_tensors, run_layers, tensor_bytes
+from ..model.sampling.cache_options import cache_options
 from ..model.sampling.cache_store import PrefixCacheStore, cache_owner
 from ..model.transformer.controlnet import STREAM_ROW_BUFFERS
+from ..model.vae.latents import latent_shape
 from . import bridge
 
 PLAN_TOOLTIP = ("Where the DiT's weights live while it samples. auto picks the fastest plan that fits the free VRAM: "
@@ -90,7 +91,8 @@ def run_shape(model, positive, negative, width: int, height: int, batch: int, pr
         cache_layers = layers + control.net.config.num_blocks + (0 if control.whole_schedule else layers)
     return RunShape(tuple(c.layout(grid).prefix_len for c in conditionings), grid, batch, negative is not None,
                     prefix_cache, tuple(h * w for h, w in positive.ref_shapes), cache_layers=cache_layers,
-                    extra_row_buffers=0 if control is None else STREAM_ROW_BUFFERS)
+                    extra_row_buffers=0 if control is None else STREAM_ROW_BUFFERS,
+                    cache_dtype=cache_options(model).dtype)
 
 
 def dit_unloaded(model) -> None:
@@ -111,7 +113,8 @@ def plan_sampling(model, positive, negative, width: int, height: int, batch: int
     weights = dit_weights(model)
     itemsize = model.compute_dtype.itemsize
     run = run_shape(model, positive, negative, width, height, batch, prefix_cache)
-    plan = plan_run(weights, model.config, run, budget, itemsize, choice, VAEShape.released(itemsize))
+    plan = plan_run(weights, model.config, run, budget, itemsize, choice, VAEShape.released(itemsize),
+                    cache_choice=cache_options(model).device)
     return Sampling(model, plan, weights)
 
 

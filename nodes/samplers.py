@@ -4,16 +4,8 @@ import json
 
 import torch
 
-from ..model.latents import (
-    LATENT_CHANNELS,
-    LATENT_TOKEN_PIXELS,
-    latent_shape,
-    latent_tokens,
-    preview_image,
-    sampling_size,
-    target_size,
-)
 from ..model.layers.kitchen import gemm_summary
+from ..model.sampling.cache_options import cache_options
 from ..model.sampling.img2img import (
     check_denoise,
     check_latent,
@@ -24,6 +16,15 @@ from ..model.sampling.img2img import (
 )
 from ..model.sampling.loop import initial_noise, sample
 from ..model.sampling.schedule import base_sigmas, literal_sigmas, schedule_mu, turbo_sigmas
+from ..model.vae.latents import (
+    LATENT_CHANNELS,
+    LATENT_TOKEN_PIXELS,
+    latent_shape,
+    latent_tokens,
+    preview_image,
+    sampling_size,
+    target_size,
+)
 from . import bridge, observability, placement
 from .bridge import io
 from .comfy_sampling import sampler_runner
@@ -152,6 +153,10 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     if raw is None and sigmas[0].item() < 1.0:
         # as ComfyUI does with an empty latent: the start mixes noise with an all-zero (raw) image
         raw = torch.zeros(1, LATENT_CHANNELS, *latent_shape(width, height))
+    options = cache_options(model)  # a Qwen-Image 2.1 Prefix Cache node upstream (nodes/cache.py)
+    cached = prefix_cache == "on" and options.device != "off"
+    if prefix_cache == "on" and not cached:
+        notes.append("prefix cache off: the Prefix Cache node's device is off (every step recomputes the prefix)")
     for note in notes:
         bridge.log.warning("qi21 %s sampler: %s", sampler, note)
 
@@ -164,7 +169,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     # 4096x4096 batch of 64 is within the widgets' limits and would otherwise grow until the OS kills the server)
     # is refused here with the least memory it needs and what to change (model/memory/planner.py).
     job = placement.plan_sampling(model, positive, negative if cfg > 1 else None, width, height, batch_size,
-                                  prefix_cache == "on")
+                                  cached)
     progress = bridge.Progress(len(sigmas) - 1)
     show_previews = bridge.previews_enabled()
 
@@ -179,9 +184,10 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     # -- memory plan (nodes/placement.py): load as planned, stream blocks / cache if planned, report plan and peak --
     with job.placed():
         result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise, negative=negative,
-                        cfg=cfg, prefix_cache=prefix_cache == "on", keep_cache=keep_cache, callback=on_step,
+                        cfg=cfg, prefix_cache=cached, keep_cache=keep_cache, callback=on_step,
                         check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
-                        add_noise=add_noise, new_cache=job.new_cache, store=job.store, sampler=runner)
+                        add_noise=add_noise, new_cache=job.new_cache, store=job.store, sampler=runner,
+                        cache_dtype=options.dtype)
     report = dict(result.report)
     if sampler_name is not None:
         report["sampler"] = sampler_name

@@ -3,10 +3,10 @@
 
 import dataclasses
 
-from ..model.latents import DEFAULT_SIZE, latent_tokens
 from ..model.sampling.flow_schedulers import COMFY_SCHEDULERS, scheduler_sigmas
 from ..model.sampling.img2img import denoise_problem, denoise_tail, fixed_tail
 from ..model.sampling.schedule import BASE_CONFIG, base_sigmas, schedule_mu, turbo_sigmas
+from ..model.vae.latents import DEFAULT_SIZE, latent_tokens
 from .bridge import io
 from .types import CATEGORY
 from .validation import refuse_unknown_inputs, require, widget_problem

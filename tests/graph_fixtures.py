@@ -10,10 +10,10 @@ import os
 import torch
 
 from qi21.demo import tiny_checkpoints as tiny
-from qi21.model.conditioning import Conditioning
+from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.transformer.dit import QwenImage21DiT
 from qi21.model.transformer.prefix_cache import PrefixKVCache
-from qi21.model.vae import QwenImage21VAE
+from qi21.model.vae.autoencoder import QwenImage21VAE
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
 from qi21.nodes.placement import KEPT_CACHES
 

@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
 import graph_fixtures as gf
+from qi21.model.encoders.references import prepare_reference
 from qi21.model.loaders.safetensors_io import CheckpointError
-from qi21.model.references import prepare_reference
 from qi21.model.sampling import loop as sampling
 from qi21.model.transformer.dit import QwenImage21DiT
-from qi21.model.vae import QwenImage21VAE
+from qi21.model.vae.autoencoder import QwenImage21VAE
 from qi21.nodes import bridge, placement, samplers
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode

@@ -225,7 +225,7 @@ def test_two_keys_onto_one_name_are_refused():
 
 
 def test_the_vae_declares_its_source_field(models):
-    from qi21.model.vae import QwenImage21VAE
+    from qi21.model.vae.autoencoder import QwenImage21VAE
 
     with torch.device("meta"):
         assert QwenImage21VAE().source is None  # built in memory: no file behind it

@@ -90,6 +90,7 @@ CONTRACT = {
                              ("strength", "FLOAT"), ("start_percent", "FLOAT"), ("end_percent", "FLOAT")],
                             [("control_image", "IMAGE"), ("inpaint_image", "IMAGE"), ("mask", "MASK")],
                             ["QI21_MODEL"]),
+    "QI21CacheOptions": ([("model", "QI21_MODEL"), ("device", "COMBO"), ("dtype", "COMBO")], [], ["QI21_MODEL"]),
 }
 #: Options and defaults the contract fixes: (node, input) -> {key: value}.
 CONTRACT_OPTIONS = {
@@ -97,6 +98,8 @@ CONTRACT_OPTIONS = {
     ("QI21ModelLoader", "attention"): {"options": ["auto", "sdpa", "flex"]},
     ("QI21TextEncoderLoader", "weight_dtype"): {"default": "default"},
     ("QI21TextEncoderLoader", "device"): {"options": ["default", "cpu"]},
+    ("QI21CacheOptions", "device"): {"options": ["auto", "gpu", "cpu", "off"], "default": "auto"},
+    ("QI21CacheOptions", "dtype"): {"options": ["default", "int8", "int4"], "default": "default"},
     ("QI21VAELoader", "weight_dtype"): {"default": "default"},
     ("QI21Reference", "resolution"): {"default": 1024, "min": 0},
     ("QI21TextEncode", "prompt"): {"multiline": True},
@@ -322,7 +325,7 @@ def check_report(report: dict, sampler: dict) -> None:
     # notes when there are any; loras with a LoRA; sampler and model_calls with a SAMPLER connected; the plan; what
     # a kept or shared prefix saved; control with a Fun ControlNet
     optional = {"notes", "loras", "plan", "peak_bytes", "sampler", "model_calls", "prefix_rows_reused",
-                "prefix_rows_computed", "prefix_key", "control"}
+                "prefix_rows_computed", "prefix_key", "control", "cache_dtype"}
     assert set(report) <= REPORT_KEYS | optional, f"unexpected qi21_report keys: {set(report) - REPORT_KEYS}"
     assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
     if "control" in report:  # the control stream keeps the cache on: its own prefix K/V sit beside the base's
@@ -423,6 +426,55 @@ def test_keep_cache_is_reused_across_prompts_and_released_by_free(comfyui_server
     state, loader_cached = _cache_state(comfyui_server, prompt, seed=103)
     assert not loader_cached, "ComfyUI had not applied /free before the next prompt (see ComfyServer.free)"
     assert state == "miss", "after /free the sampler must not find the prefix cache of the released model"
+
+
+def _with_cache_options(prompt: dict, device: str, dtype: str) -> dict:
+    """`prompt` with a Prefix Cache node between the sampler's model and the sampler."""
+    prompt = json.loads(json.dumps(prompt))
+    (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] in harness.SAMPLERS]
+    prompt["qi21_cache_options"] = {"class_type": "QI21CacheOptions", "inputs": {
+        "model": prompt[sampler_id]["inputs"]["model"], "device": device, "dtype": dtype}}
+    prompt[sampler_id]["inputs"]["model"] = ["qi21_cache_options", 0]
+    return prompt
+
+
+_SEEDS = iter(range(300, 400))
+
+
+def _report(server, prompt) -> dict:
+    """The sampler's report of one run of `prompt` with a new seed (the same inputs would be ComfyUI's cache)."""
+    (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] in harness.SAMPLERS]
+    prompt[sampler_id]["inputs"]["seed"] = next(_SEEDS)
+    entry = server.run_prompt(prompt)
+    assert entry["status"]["status_str"] == "success", _failure(server, entry)
+    report = entry["outputs"][sampler_id]["qi21_report"][0]
+    check_report(report, prompt[sampler_id])
+    return report
+
+
+def test_the_prefix_cache_node_stores_int8_and_int4_through_prompt(comfyui_server):
+    """The Prefix Cache node through /prompt (comfy-kitchen from ComfyUI's own environment): int8 / int4 store fewer
+    bytes (scales included), a kept quantized cache is reused by the same dtype only (the default one stays kept
+    beside it), device cpu puts it in host memory, and the planner predicted the bytes it held."""
+    plain = _turbo_prompt()
+    comfyui_server.free(unload_models=True, free_memory=True)
+    for node in plain.values():
+        if node["class_type"] in harness.SAMPLERS:
+            node["inputs"].update(keep_cache=True, prefix_cache="on")
+    default = _report(comfyui_server, plain)
+    assert default["cache_dtype"] == "default"
+    held = {"default": default["cache_bytes"]}
+    for dtype in ("int8", "int4"):
+        quantized = _with_cache_options(plain, "auto", dtype)
+        first, again = _report(comfyui_server, quantized), _report(comfyui_server, quantized)
+        assert (first["cache"], again["cache"], first["cache_dtype"]) == ("miss", "hit", dtype), (first, again)
+        assert first["cache_bytes"] == first["plan"]["cache_bytes"]  # what the planner counted is what was held
+        held[dtype] = first["cache_bytes"]
+    assert held["int4"] < held["int8"] < held["default"], held  # (the tiny set's rows are 64 wide: 68 / 36 bytes)
+    assert _report(comfyui_server, plain)["cache"] == "hit"  # the default cache is still kept, beside the int8 one
+    on_host = _report(comfyui_server, _with_cache_options(plain, "cpu", "int8"))
+    assert (on_host["plan"]["cache"], on_host["cache_device"], on_host["cache_dtype"]) == ("host", "cpu", "int8")
+    comfyui_server.free(unload_models=True, free_memory=True)
 
 
 def test_unload_models_releases_kept_caches(comfyui_server):

@@ -11,8 +11,8 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Tra
 import controlnet_fixtures as cf
 from dit_fixtures import make_case, reference_velocity
 from qi21.demo import tiny_checkpoints as tiny
-from qi21.model.conditioning import Conditioning
-from qi21.model.control import control_latents
+from qi21.model.encoders.conditioning import Conditioning
+from qi21.model.encoders.control import control_latents
 from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
 from qi21.model.loaders.lora import apply_lora
 from qi21.model.loaders.safetensors_io import CheckpointError
@@ -21,7 +21,7 @@ from qi21.model.sampling.loop import sample
 from qi21.model.transformer.controlnet import percent_to_sigma
 from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
 from qi21.model.transformer.prefix_cache import PrefixKVCache
-from qi21.model.vae import QwenImage21VAE
+from qi21.model.vae.autoencoder import QwenImage21VAE
 
 GRID = (4, 6)  # target latent cells (64 x 96 px)
 WIDTH, HEIGHT = GRID[1] * 16, GRID[0] * 16

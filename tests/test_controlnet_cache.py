@@ -8,13 +8,13 @@ import torch
 
 import controlnet_fixtures as cf
 from qi21.demo import tiny_checkpoints as tiny
-from qi21.model.conditioning import Conditioning
-from qi21.model.control import control_latents
+from qi21.model.encoders.conditioning import Conditioning
+from qi21.model.encoders.control import control_latents
 from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
 from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
-from qi21.model.vae import QwenImage21VAE
+from qi21.model.vae.autoencoder import QwenImage21VAE
 
 GRID = (4, 6)
 WIDTH, HEIGHT = GRID[1] * 16, GRID[0] * 16

@@ -21,10 +21,10 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from dit_fixtures import make_case, reference_velocity
 from qi21.demo import core_nodes, run_workflows, tiny_checkpoints as tiny, workflow_runner
+from qi21.model.encoders.references import prepare_reference
 from qi21.model.loaders.dit import load_dit
 from qi21.model.loaders.text_encoder import load_text_encoder
 from qi21.model.loaders.vae import load_vae
-from qi21.model.references import prepare_reference
 from qi21.model.sampling.schedule import TURBO_SIGMAS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 import graph_fixtures as gf
 from dit_fixtures import tiny_pair
 from oracle import TURBO_SCHEDULER, diffusers_loop
-from qi21.model.conditioning import Conditioning
+from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.sampling.img2img import latent_mask
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import base_sigmas, literal_sigmas, turbo_sigmas

@@ -13,15 +13,14 @@ SHIPPED = sorted(p for folder in ("model", "nodes") for p in (ROOT / folder).rgl
 #: Lowest first. A module may import its own unit and any unit listed before it, never one after it.
 LAYERS = (
     ("model",),  # model/__init__.py (imports nothing)
-    ("model.latents",),
+    ("model.vae.latents",),  # the latent convention, read by everything above it
     ("model.layers",),
     ("model.transformer",),
-    ("model.vae", "model.text_encoder", "model.references", "model.control"),
-    ("model.conditioning",),
+    ("model.vae",),
+    ("model.encoders",),
     ("model.loaders",),
     ("model.memory",),
     ("model.sampling",),
-    ("model.pipeline",),
     ("nodes.comfy_standin",),
     ("nodes.bridge",),
     ("nodes.types", "nodes.validation"),

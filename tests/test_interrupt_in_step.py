@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dit_fixtures import tiny_pair
-from qi21.model.conditioning import Conditioning
+from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import turbo_sigmas

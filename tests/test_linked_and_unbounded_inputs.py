@@ -16,9 +16,9 @@ import torch
 from PIL import Image
 
 import graph_fixtures as gf
-from qi21.model.pipeline import encode_prompt
+from qi21.model.encoders.pipeline import encode_prompt
+from qi21.model.encoders.prompt_template import MAX_ROPE_POSITIONS, rope_positions
 from qi21.model.sampling.loop import initial_noise
-from qi21.model.text_encoder import MAX_ROPE_POSITIONS, rope_positions
 from qi21.nodes import NODES, bridge, placement
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode

@@ -23,7 +23,7 @@ import graph_fixtures as gf
 from dit_fixtures import make_case, reference_velocity, tiny_pair
 from oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop
 from qi21.demo import tiny_checkpoints as tiny
-from qi21.model.conditioning import Conditioning
+from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.layers.linear import Linear
 from qi21.model.loaders.checkpoint import CheckpointError
 from qi21.model.loaders.dit import load_dit

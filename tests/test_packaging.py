@@ -37,3 +37,61 @@ def test_requirements_txt_and_pyproject_list_the_same_packages():
 def test_the_check_sees_a_difference():
     assert requirement("Pillow >= 10.0") == ("pillow", ">=10.0")
     assert requirement("safe_tensors>=0.4") == ("safe-tensors", ">=0.4")
+
+
+# -- the Comfy Registry's metadata (docs.comfy.org/registry/specifications; ComfyUI's comfy_config reads the same) --
+
+REGISTRY_OS = ("Microsoft", "POSIX", "MacOS", "OS Independent")  # comfy_config: the prefixes it keeps
+REGISTRY_ACCELERATORS = {"GPU :: NVIDIA CUDA", "GPU :: AMD ROCm", "GPU :: Intel Arc", "NPU :: Huawei Ascend",
+                         "GPU :: Apple Metal"}
+ICON_TYPES = (".svg", ".png", ".jpg", ".jpeg", ".gif")
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def svg_size(path: Path) -> tuple[float, float]:
+    root = re.search(r"<svg\b[^>]*>", path.read_text(encoding="utf-8")).group(0)
+    return tuple(float(re.search(rf'\b{side}="([0-9.]+)', root).group(1)) for side in ("width", "height"))
+
+
+def test_registry_identity_fields():
+    project, comfy = pyproject()["project"], pyproject()["tool"]["comfy"]
+    # the node id: < 100 characters, letters/digits/-/_/., no two special characters in a row, a letter first
+    assert re.fullmatch(r"[A-Za-z](?:[A-Za-z0-9]|[-_.](?=[A-Za-z0-9]))*", project["name"]), project["name"]
+    assert len(project["name"]) < 100
+    assert re.fullmatch(r"\d+\.\d+\.\d+", project["version"]), "the registry wants semantic X.Y.Z versions"
+    assert project["description"].strip() and project["license"] and project["requires-python"]
+    assert comfy["PublisherId"].strip() and comfy["DisplayName"].strip()
+
+
+def test_registry_links_point_at_one_repository():
+    urls = pyproject()["project"]["urls"]
+    repository = urls["Repository"]
+    assert re.fullmatch(r"https://github\.com/[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", repository), repository
+    assert urls["Issues"] == f"{repository}/issues"
+    assert urls["Documentation"].startswith(f"{repository}/")
+
+
+def test_registry_icon_is_a_shipped_file_of_that_repository():
+    repository = pyproject()["project"]["urls"]["Repository"]
+    icon = pyproject()["tool"]["comfy"]["Icon"]
+    raw = repository.replace("https://github.com/", "https://raw.githubusercontent.com/") + "/main/"
+    assert icon.startswith(raw), f"Icon {icon!r} is not a file of {repository} on main"
+    relative = icon.removeprefix(raw)
+    path = ROOT / relative
+    assert path.is_file() and path.suffix in ICON_TYPES, f"{relative}: no such icon in the repository"
+    width, height = svg_size(path)
+    assert 0 < width <= 800 and 0 < height <= 400, "the registry shows icons up to 800 x 400"
+    ignored = [line.strip().rstrip("/") for line in (ROOT / ".comfyignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert not [p for p in ignored if relative == p or relative.startswith(f"{p}/")], ".comfyignore drops the icon"
+
+
+def test_registry_classifiers_are_ones_the_registry_reads():
+    classifiers = pyproject()["project"]["classifiers"]
+    systems = [c.removeprefix("Operating System :: ") for c in classifiers if c.startswith("Operating System :: ")]
+    accelerators = [c.removeprefix("Environment :: ") for c in classifiers if c.startswith("Environment :: ")]
+    assert systems and all(s.startswith(REGISTRY_OS) for s in systems)
+    assert accelerators and set(accelerators) <= REGISTRY_ACCELERATORS

@@ -8,7 +8,7 @@ import torch
 
 from dit_fixtures import reference_velocity
 from oracle import BASE_SCHEDULER, diffusers_loop
-from qi21.model.conditioning import Conditioning
+from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.run_caches import share_leading_runs

@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 import graph_fixtures as gf
-from qi21.model.latents import sampling_size, target_size
-from qi21.model.pipeline import MAX_REFERENCES, check_room_for_reference
-from qi21.model.references import MAX_ASPECT, MAX_VLM_PIXELS, MIN_VLM_PIXELS, prepare_reference, reference_size
+from qi21.model.encoders.pipeline import MAX_REFERENCES, check_room_for_reference
+from qi21.model.encoders.references import MAX_ASPECT, MAX_VLM_PIXELS, MIN_VLM_PIXELS, prepare_reference, reference_size
+from qi21.model.vae.latents import sampling_size, target_size
 from qi21.nodes.placement import KEPT_CACHES
 from qi21.nodes.samplers import MAX_SIZE, MIN_SIZE, QI21Sampler, QI21TurboSampler
 

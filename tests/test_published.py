@@ -14,8 +14,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from oracle import BASE_SCHEDULER
 from published_files import DOWNLOAD, PUBLISHED, REPOSITORY, download_url, folder_of
-from qi21.model.latents import latent_tokens
 from qi21.model.sampling.schedule import schedule_mu, turbo_sigmas
+from qi21.model.vae.latents import latent_tokens
 from qi21.nodes.schedule import QI21Sigmas
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import torch
 
 import graph_fixtures as gf
 from oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop
-from qi21.model.conditioning import Conditioning
+from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas

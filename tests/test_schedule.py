@@ -7,7 +7,6 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from qi21.model.latents import latent_tokens, sampling_size
 from qi21.model.sampling.schedule import (
     BASE_CONFIG,
     TURBO_SIGMAS,
@@ -19,6 +18,7 @@ from qi21.model.sampling.schedule import (
     transformer_timestep,
     turbo_sigmas,
 )
+from qi21.model.vae.latents import latent_tokens, sampling_size
 
 # The released scheduler/scheduler_config.json (docs/schedule.md); the flags left out are false by default.
 OFFICIAL_BASE = {

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dit_fixtures import tiny_pair
-from qi21.model.conditioning import Conditioning
+from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.loaders.lora import clone_tree
 from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part

@@ -25,10 +25,10 @@ from diffusers import QwenImage21Pipeline
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 from PIL import Image
 
+from qi21.model.encoders.prompt_template import SYSTEM_PROMPT, SYSTEM_TURN, prompt_text
+from qi21.model.encoders.references import MIN_VLM_PIXELS, prepare_reference, reference_size
 from qi21.model.loaders.safetensors_io import CheckpointError
 from qi21.model.loaders.text_encoder import config_from_shapes, find_tokenizer_dir, load_processor, load_text_encoder
-from qi21.model.references import MIN_VLM_PIXELS, prepare_reference, reference_size
-from qi21.model.text_encoder import SYSTEM_PROMPT, SYSTEM_TURN, prompt_text
 from te_fixtures import (
     QWEN_ADDED_TOKENS,
     REAL_TOKENIZER_ENV,
@@ -405,7 +405,7 @@ def test_an_explicit_tokenizer_folder_must_hold_a_tokenizer(files, tmp_path):
         load_text_encoder(files / "qwen3vl_tiny.safetensors", tokenizer_dir=tmp_path)
 
 
-# -- reuse of the references' leading run (model/text_encoder_cache.py) ---------------------------------------------
+# -- reuse of the references' leading run (model/encoders/prompt_cache.py) ---------------------------------------------
 def counted_vision(encoder, monkeypatch):
     calls = []
     real = encoder.model.get_image_features
@@ -479,7 +479,7 @@ def test_the_prompt_cache_stays_in_its_budget_and_an_interrupted_encode_keeps_no
 
 
 def test_the_lead_key_names_the_references_and_the_text_before_them(encoder):
-    from qi21.model.pipeline import Reference, encode_prompt
+    from qi21.model.encoders.pipeline import Reference, encode_prompt
 
     def reference(seed):
         prepared = prepare_reference(comfy_image(random_image(256, 256, 3, seed=seed)), resolution=288)

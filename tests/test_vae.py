@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from qi21.model.loaders.vae import comfy_to_diffusers_key, load_vae, vae_from_state_dict
-from qi21.model.vae import LATENTS_MEAN, LATENTS_STD, VAETiling, _run_tiled, _tile_spans
+from qi21.model.vae.autoencoder import LATENTS_MEAN, LATENTS_STD, VAETiling, _run_tiled, _tile_spans
 
 # The released structure, narrow.
 TINY = dict(base_dim=8, decoder_base_dim=12, z_dim=64, dim_mult=[1, 2, 4, 8, 8], num_res_blocks=2,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qi21.model.references import reference_size
+from qi21.model.encoders.references import reference_size
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "web"
@@ -134,6 +134,19 @@ def test_cache_bytes_are_half_a_mib_per_prefix_token_in_bf16(sandbox):
     # A different model shape / dtype goes through the same formula.
     assert call(sandbox, ("cacheBytes", [100, {"layers": 2, "heads": 4, "headDim": 128, "bytesPerElement": 4}])) == \
         [2 * 2 * 4 * 128 * 100 * 4]
+
+
+def test_quantized_cache_bytes_match_the_planners(sandbox):
+    from qi21.model.transformer.cache_storage import cache_row_bytes
+
+    tokens = [1, 75, 12_363]
+    for dtype in ("int8", "int4"):
+        got = call(sandbox, *[("cacheBytes", [n, {}, dtype]) for n in tokens])
+        assert got == [2 * 32 * n * cache_row_bytes(dtype, 4096, 2) for n in tokens]
+        assert got[-1] <= (0.52 if dtype == "int8" else 0.27) * tokens[-1] * MIB // 2
+    (estimate,) = call(sandbox, ("estimatePrefix", [[{"promptChars": 40, "references": []}], {}, "int4"]))
+    assert estimate["bytes"] == 2 * 32 * estimate["tokens"] * 2052
+    assert call(sandbox, ("formatEstimate", [estimate]))[0].endswith("(int4)")
 
 
 def _expected_prefix(prompt_chars, references):
@@ -259,6 +272,12 @@ def test_estimate_walks_the_graph_and_follows_the_formula(full):
     assert full["emptyPrompt"] == text(empty)
     assert full["turbo"] == text(empty)
     assert full["afterHandEdit"] == text(empty)  # read-only: an edit is put back
+    quantized = {dtype: 2 * 32 * empty * (4096 * bits // 8 + 4) for dtype, bits in (("int8", 8), ("int4", 4))}
+    assert full["int8"] == f"~{empty:,} tokens · ~{quantized['int8'] / 1024**3:.1f} GiB (int8)"
+    assert full["int4"] == f"~{empty:,} tokens · ~{quantized['int4'] / 1024**2:.1f} MiB (int4)"  # under 1 GiB
+    assert "device auto, dtype int8" in full["int8Tooltip"]
+    assert full["optionsOff"] == f"~{empty:,} tokens · cache off"
+    assert full["optionsBypassed"] == text(empty)
 
 
 @pytest.mark.parametrize("scenario", ["no-register", "odd-node"])
@@ -300,6 +319,15 @@ def test_report_summary_is_one_compact_line(sandbox):
     assert report_call(sandbox, ("formatSeconds", [0.0043]), ("formatSeconds", [0.16]), ("formatSeconds", [12.34]),
                        ("formatSeconds", [123.4]), ("formatSeconds", [None])) == \
         ["4.3 ms", "0.16 s", "12.3 s", "123 s", "?"]
+
+
+def test_report_names_a_quantized_cache(sandbox):
+    report = {"cache": "miss", "prefix_tokens": 4171, "cache_bytes": 1_069_000_000, "cache_device": "cuda:0",
+              "cache_dtype": "int8"}
+    summary, detail = report_call(sandbox, ("summarizeReport", [report]), ("reportDetail", [report]))
+    assert summary == "cache miss · 4,171 prefix tokens · 1019.5 MiB int8 on cuda:0"
+    assert "cache dtype: int8 (quantized per token; the size includes the scales)" in detail
+    assert "cache_dtype:" not in detail  # described, not listed as an unknown key
 
 
 def test_report_with_missing_keys_or_odd_values_shows_what_is_there(sandbox):

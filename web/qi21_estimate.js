@@ -3,7 +3,7 @@
 // Pure functions only (no DOM, no ComfyUI), so Node can unit-test them (tests/test_web_extension.py).
 // ComfyUI also loads this file as an extension because it sits in WEB_DIRECTORY; it has no side effects.
 //
-// Numbers (the DiT's config in docs/checkpoints.md, model/references.py, model/sampling/loop.py):
+// Numbers (the DiT's config in docs/checkpoints.md, model/encoders/references.py, model/sampling/loop.py):
 // - a reference of W x H pixels is resized once to area ~ resolution^2, aspect kept, each side rounded to a
 //   multiple of 32 with Python's round (ties to even); resolution 0 keeps its own size floored to x32;
 // - each resized reference becomes (H/16) * (W/16) latent tokens in the prefix;
@@ -12,6 +12,9 @@
 // - cache bytes = 2 (K and V) * layers * heads * head_dim * prefix tokens * bytes per element:
 //   32 * 32 * 128 in bf16 = 0.5 MiB per prefix token. One cache per distinct prefix (true CFG adds the
 //   negative prompt's); the samples of a batch share it.
+// - a quantized cache (the Prefix Cache node's dtype int8 / int4, model/transformer/cache_storage.py) stores each
+//   token's keys (or values) of one layer, all heads, as heads * head_dim bytes (int8) or half that (int4) plus one
+//   fp32 scale: 0.5005x / 0.2505x of bf16 for the released model.
 
 /** Pixels per side of one VLM image token: sides of a resized reference are multiples of this. */
 export const SIZE_STEP = 32;
@@ -42,7 +45,7 @@ export function roundHalfEven(x) {
 
 /**
  * [width, height] a `w x h` image is resized to: area ~ resolution^2, aspect kept, sides rounded to x32.
- * Same floating-point operations, in the same order, as `reference_size` in model/references.py (diffusers'
+ * Same floating-point operations, in the same order, as `reference_size` in model/encoders/references.py (diffusers'
  * `calculate_dimensions`), so the results agree exactly. `resolution` 0 keeps the size, floored to x32.
  */
 export function referenceSize(w, h, resolution) {
@@ -80,9 +83,16 @@ export function prefixTokens(promptChars, references = []) {
   return tokens;
 }
 
-/** Cache bytes for `tokens` prefix tokens: 2 * layers * heads * head_dim * tokens * bytes (0.5 MiB/token bf16). */
-export function cacheBytes(tokens, model = FULL_MODEL) {
+/** Bytes per quantized value of the Prefix Cache node's dtypes, and the fp32 scale each stored row carries. */
+export const QUANTIZED_BITS = Object.freeze({ int8: 8, int4: 4 });
+export const SCALE_BYTES = 4;
+
+/** Cache bytes for `tokens` prefix tokens: 2 * layers * heads * head_dim * tokens * bytes (0.5 MiB/token bf16);
+ * `dtype` "int8" / "int4": 2 * layers * tokens * (heads * head_dim * bits / 8 + 4), scales included. */
+export function cacheBytes(tokens, model = FULL_MODEL, dtype = "default") {
   const { layers, heads, headDim, bytesPerElement } = { ...FULL_MODEL, ...model };
+  const bits = QUANTIZED_BITS[dtype];
+  if (bits) return 2 * layers * tokens * ((heads * headDim * bits) / 8 + SCALE_BYTES);
   return 2 * layers * heads * headDim * tokens * bytesPerElement;
 }
 
@@ -142,7 +152,7 @@ export function formatBytes(bytes) {
  * (null when unknown: a square at `resolution`, or 1024 for resolution 0, is assumed).
  * Returns { tokens, bytes, perPrompt: [tokens...], assumed: number of references of unknown size }.
  */
-export function estimatePrefix(prompts, model = FULL_MODEL) {
+export function estimatePrefix(prompts, model = FULL_MODEL, dtype = "default") {
   let tokens = 0;
   let assumed = 0;
   const perPrompt = [];
@@ -161,12 +171,14 @@ export function estimatePrefix(prompts, model = FULL_MODEL) {
     perPrompt.push(count);
     tokens += count;
   }
-  return { tokens, bytes: cacheBytes(tokens, model), perPrompt, assumed };
+  return { tokens, bytes: cacheBytes(tokens, model, dtype), perPrompt, assumed, dtype };
 }
 
-/** "~8,300 tokens · ~4.1 GiB (bf16)"; with prefix caching off the cache part says so. */
+/** "~8,300 tokens · ~4.1 GiB (bf16)" (or "(int8)" / "(int4)" for a quantized cache); with prefix caching off the
+ * cache part says so. */
 export function formatEstimate(estimate, { cacheOn = true } = {}) {
   const prefixes = estimate.perPrompt && estimate.perPrompt.length > 1 ? ` (${estimate.perPrompt.length} prompts)` : "";
   const tokens = `~${formatCount(estimate.tokens)} tokens${prefixes}`;
-  return cacheOn ? `${tokens} · ~${formatBytes(estimate.bytes)} (bf16)` : `${tokens} · cache off`;
+  const stored = QUANTIZED_BITS[estimate.dtype] ? estimate.dtype : "bf16";
+  return cacheOn ? `${tokens} · ~${formatBytes(estimate.bytes)} (${stored})` : `${tokens} · cache off`;
 }

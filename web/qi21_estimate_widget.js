@@ -68,6 +68,25 @@ function conditioning(sampler, name) {
   return { promptChars: typeof prompt === "string" ? prompt.length : 0, ...chain };
 }
 
+/** Nodes that pass the model on (a copy with their own change) and the Prefix Cache node (nodes/cache.py). */
+const MODEL_PASSING = new Set(["QI21LoraLoader", "QI21ControlNetApply"]);
+const CACHE_OPTIONS = "QI21CacheOptions";
+
+/** The cache options the sampler's model carries: the nearest Prefix Cache node up the model chain (through LoRA and
+ * ControlNet nodes; a bypassed one passes the model through), else the defaults. */
+function cacheOptions(sampler) {
+  let current = sourceNode(sampler, "model");
+  for (let hop = 0; current && hop < MAX_HOPS; hop++) {
+    const kind = classOf(current);
+    if (kind === CACHE_OPTIONS && current.mode !== BYPASS_MODE) {
+      return { device: String(widgetValue(current, "device") ?? "auto"), dtype: String(widgetValue(current, "dtype") ?? "default") };
+    }
+    if (kind !== CACHE_OPTIONS && !MODEL_PASSING.has(kind)) break;
+    current = sourceNode(current, "model");
+  }
+  return { device: "auto", dtype: "default" };
+}
+
 // ------------------------------------------------------------------------------------------------- estimate
 
 function describe(sampler) {
@@ -78,16 +97,22 @@ function describe(sampler) {
     const negative = conditioning(sampler, "negative");
     if (negative) prompts.push({ name: "negative", ...negative });
   }
-  const estimate = estimatePrefix(prompts);
-  const cacheOn = findWidget(sampler, "prefix_cache")?.value !== "off";
+  const options = cacheOptions(sampler);
+  const estimate = estimatePrefix(prompts, undefined, options.dtype);
+  const cacheOn = findWidget(sampler, "prefix_cache")?.value !== "off" && options.device !== "off";
   const unknown = prompts.some((p) => p.unknown);
   let text = formatEstimate(estimate, { cacheOn });
   if (unknown) text = text.replace(/^~/, "≥ ");
 
   const lines = prompts.map((p, i) => `${p.name}: ~${formatCount(estimate.perPrompt[i])} tokens (prompt ${p.promptChars} chars, `
     + `${p.references.length} reference${p.references.length === 1 ? "" : "s"})${p.unknown ? ", partly unknown source" : ""}`);
-  lines.push(`cache: 0.5 MiB per prefix token in bf16 (32 layers x 32 heads x 128, keys and values); `
+  const perToken = options.dtype === "default" ? "0.5 MiB per prefix token in bf16"
+    : `${formatBytes(estimate.tokens ? estimate.bytes / estimate.tokens : 0)} per prefix token in ${options.dtype}, scales included`;
+  lines.push(`cache: ${perToken} (32 layers x 32 heads x 128, keys and values); `
     + `~${formatBytes(estimate.bytes)} in all; a batch shares it.`);
+  if (options.dtype !== "default" || options.device !== "auto") {
+    lines.push(`Prefix Cache node: device ${options.device}, dtype ${options.dtype}.`);
+  }
   if (estimate.assumed) lines.push(`${estimate.assumed} reference image size(s) unknown until loaded: assumed square at their resolution.`);
   if (unknown) lines.push("Some conditioning does not come straight from Qwen-Image 2.1 nodes: lower bound.");
   return { text, tooltip: `Estimated prefix (text + references) the sampler caches.\n${lines.join("\n")}` };

@@ -7,7 +7,8 @@
 // a list with one dict per run, keys `prefix_tokens`, `target_tokens`, `batch`, `steps`, `cache` ("off", "miss",
 // "partial" or "hit"), `cache_bytes`, `cache_device`, `prefill_seconds`, `step_seconds` (mean cached step),
 // `prefix_rows_reused` / `prefix_rows_computed` (rows taken from a kept cache or shared by the run's prompts, and
-// rows the prefill computed), `prefix_key` (content hash of the rows through the last reference) and, when there
+// rows the prefill computed), `cache_dtype` ("default", or "int8" / "int4" from the Prefix Cache node: how the cache
+// stored its rows; `cache_bytes` are the stored bytes, scales included), `prefix_key` (content hash of the rows through the last reference) and, when there
 // is something to say, `notes` (strings). Keys may be missing or null (e.g. no prefill on a cache hit, no cache
 // device when the cache is off); keys this file does not know are still shown in the detail text.
 //
@@ -35,7 +36,7 @@ const CACHE_WORDS = {
 /** Keys the detail text describes itself; others are listed after them, as they come. */
 const KNOWN_KEYS = new Set(["cache", "prefix_tokens", "target_tokens", "batch", "steps", "cache_bytes", "cache_device",
   "prefill_seconds", "step_seconds", "peak_bytes", "loras", "plan", "notes", "prefix_rows_reused",
-  "prefix_rows_computed", "prefix_key"]);
+  "prefix_rows_computed", "prefix_key", "cache_dtype"]);
 
 function isRecord(value) {
   return value !== null && typeof value === "object" && !Array.isArray(value);
@@ -99,7 +100,8 @@ export function summarizeReport(report) {
   const bytes = num(report.cache_bytes);
   if (bytes !== null && bytes > 0) {
     const device = typeof report.cache_device === "string" && report.cache_device ? ` on ${report.cache_device}` : "";
-    parts.push(`${formatBytes(bytes)}${device}`);
+    const stored = report.cache_dtype === "int8" || report.cache_dtype === "int4" ? ` ${report.cache_dtype}` : "";
+    parts.push(`${formatBytes(bytes)}${stored}${device}`);
   }
   if (num(report.prefill_seconds) !== null) parts.push(`prefill ${formatSeconds(report.prefill_seconds)}`);
   if (num(report.step_seconds) !== null) parts.push(`step ${formatSeconds(report.step_seconds)}`);
@@ -147,6 +149,10 @@ export function reportDetail(report, { index = 1, count = 1 } = {}) {
     add("cache size", report.cache_bytes > 0 ? `${formatBytes(report.cache_bytes)} (${formatCount(report.cache_bytes)} bytes)` : "none");
   }
   if ("cache_device" in report) add("cache device", report.cache_device ? String(report.cache_device) : "none");
+  if (typeof report.cache_dtype === "string") {
+    add("cache dtype", report.cache_dtype === "default" ? "default (the model's dtype)"
+      : `${report.cache_dtype} (quantized per token; the size includes the scales)`);
+  }
   if (reusedRows !== null && computedRows !== null && (reusedRows > 0 || report.cache === "partial")) {
     add("prefix rows", `${formatCount(reusedRows)} reused, ${formatCount(computedRows)} computed in step 1`);
   }

@@ -32,6 +32,7 @@ def _sibling(name: str):
     return sys.modules[name]
 
 
+_sibling("workflow_layout")  # before workflow_graph, which imports it
 graph = _sibling("workflow_graph")
 official = _sibling("official_templates")
 Graph, Node, NodeSpec, load_specs = graph.Graph, graph.Node, graph.NodeSpec, graph.load_specs
@@ -327,6 +328,7 @@ def build_graphs(specs: dict[str, NodeSpec] = None) -> dict[str, Graph]:
     for name, build in WORKFLOWS.items():
         graphs[name] = Graph(name, specs)
         build(graphs[name])
+        graphs[name].arrange()
     return graphs
 
 

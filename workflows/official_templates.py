@@ -33,8 +33,9 @@ TURBO_SIGMAS_TEXT = "1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.7045
 PE_SAMPLING = {"t2i": 1.5, "i2i": 0.0}  # presence_penalty; otherwise the same sampling settings in both
 
 
-def _prompt_enhancer(g: Graph, kind: str, text: str, pos, images: Node = None) -> Node:
-    """Prompt -> (switch off: as typed | on: rewritten by the PE model) -> PreviewAny, whose STRING is the prompt."""
+def _prompt_enhancer(g: Graph, kind: str, text: str, pos=(420, 120), images: Node = None) -> Node:
+    """Prompt -> (switch off: as typed | on: rewritten by the PE model) -> PreviewAny, whose STRING is the prompt;
+    framed as the templates frame it (an ImageBatch feeding it joins the frame)."""
     x, y = pos
     prompt = g.add("PrimitiveStringMultiline", (x, y), (420, 220), title="Prompt", value=text)
     system = g.add("PrimitiveStringMultiline", (x, y + 260), (420, 220), title="Text (System Prompt)",
@@ -56,32 +57,42 @@ def _prompt_enhancer(g: Graph, kind: str, text: str, pos, images: Node = None) -
     g.link(prompt, "STRING", switch, "on_false")
     g.link(generate, "generated_text", switch, "on_true")
     g.link(switch, "output", preview, "source")
+    batch = (images,) if images is not None and images.spec.node_type == "ImageBatch" else ()
+    g.group("Prompt Enhancer", prompt, system, clip, *batch, switch, preview, generate)
     return preview
 
 
 def _enhanced_prompt(g: Graph, encoder: Node, enhancer: Node, text: str, references: Node = None) -> Node:
     node = add_prompt(g, encoder, text, pos=(1340, 120), references=references)
     g.link(enhancer, "STRING", node, "prompt")
+    g.group("Conditioning", node)
     return node
 
 
-def _select_sampler(g: Graph, sampler: Node, pos) -> None:
+def _frame_models(g: Graph, *loaders: Node) -> None:
+    g.group("Models", *loaders)
+
+
+def _select_sampler(g: Graph, sampler: Node, pos) -> Node:
     select = g.add("KSamplerSelect", pos, (320, 60), sampler_name="euler")
     g.link(select, "SAMPLER", sampler, "sampler")
+    return select
 
 
 def _euler_to_image(g: Graph, vae: Node, sampler: Node, name: str, turbo: bool = False) -> None:
     """The templates' tail: euler (KSamplerSelect) into the sampler, Turbo's sigmas (ManualSigmas) for Turbo, then
     decode and save at the right columns."""
-    _select_sampler(g, sampler, (1340, 720) if turbo else (1340, 780))
+    tools = [_select_sampler(g, sampler, (1340, 900))]
     if turbo:
-        _turbo_sigmas(g, sampler, (1340, 820))
+        tools.append(_turbo_sigmas(g, sampler, (1340, 1000)))
+    g.group("Sampling", sampler, *tools)
     add_save(g, add_decode(g, vae, sampler, pos=(1720, 120)), "IMAGE", f"qwen-image-2.1/{name}", pos=(2020, 120))
 
 
-def _turbo_sigmas(g: Graph, sampler: Node, pos) -> None:
+def _turbo_sigmas(g: Graph, sampler: Node, pos) -> Node:
     sigmas = g.add("ManualSigmas", pos, (420, 90), sigmas=TURBO_SIGMAS_TEXT)
     g.link(sigmas, "SIGMAS", sampler, "sigmas")
+    return sigmas
 
 
 TEMPLATE_NOTE = """
@@ -101,9 +112,10 @@ BASE_DIFFERENCE = ("the Base schedule is the official one (dynamic shift from th
 
 def official_t2i(g: Graph) -> None:
     model, encoder, vae = add_loaders(g, INT8_MODEL, INT8_TEXT_ENCODER)
+    _frame_models(g, model, encoder, vae)
     enhancer = _prompt_enhancer(g, "t2i", "A greyscale fashion editorial portrait of a woman in profile wearing "
                                 "oversized round black sunglasses, high-contrast studio light, against a vivid lime "
-                                "green pop-art collage background.", (420, 660))
+                                "green pop-art collage background.")
     positive = _enhanced_prompt(g, encoder, enhancer, "")
     sampler = add_sampler(g, "QI21Sampler", model, positive, pos=(1340, 400), steps=25, cfg=1.0, width=1024,
                        height=1024)
@@ -115,13 +127,14 @@ def official_t2i(g: Graph) -> None:
 
 def official_image_edit(g: Graph) -> None:
     model, encoder, vae = add_loaders(g, INT8_MODEL, INT8_TEXT_ENCODER)
-    first_image, first = add_reference(g, vae, "portrait_model_denim.png", 1, (420, 1500), resolution=0)
-    second_image, second = add_reference(g, vae, "clothing_light_blue_denim_shirt.png", 2, (420, 1900),
+    _frame_models(g, model, encoder, vae)
+    first_image, first = add_reference(g, vae, "portrait_model_denim.png", 1, (420, 1200), resolution=0)
+    second_image, second = add_reference(g, vae, "clothing_light_blue_denim_shirt.png", 2, (420, 1600),
                                          previous=first, resolution=0)
-    images = g.add("ImageBatch", (1140, 1500), (260, 80))
+    images = g.add("ImageBatch", (420, 900), (260, 80))
     g.link(first_image, "IMAGE", images, "image1")
     g.link(second_image, "IMAGE", images, "image2")
-    enhancer = _prompt_enhancer(g, "i2i", "Replace costumes for the character", (420, 660), images=images)
+    enhancer = _prompt_enhancer(g, "i2i", "Replace costumes for the character", images=images)
     positive = _enhanced_prompt(g, encoder, enhancer, "", references=second)
     sampler = add_sampler(g, "QI21Sampler", model, positive, pos=(1340, 400), steps=25, cfg=1.0, width=0, height=0)
     _euler_to_image(g, vae, sampler, "official_image_edit")
@@ -135,10 +148,12 @@ def official_image_edit(g: Graph) -> None:
 
 def official_background_removal(g: Graph) -> None:
     model, encoder, vae = add_loaders(g, INT8_MODEL, INT8_TEXT_ENCODER)
+    _frame_models(g, model, encoder, vae)
     _, reference = add_reference(g, vae, "angry_broccoli.png", 1, (420, 660), resolution=0)
     positive = add_prompt(g, encoder, "Remove the background, and output a PNG image", references=reference)
+    g.group("Conditioning", positive)
     sampler = add_sampler(g, "QI21Sampler", model, positive, steps=25, cfg=1.0, width=0, height=0)
-    _select_sampler(g, sampler, (900, 500))
+    g.group("Sampling", sampler, _select_sampler(g, sampler, (900, 700)))
     decode = add_decode(g, vae, sampler)
     add_save(g, decode, "RGBA", "qwen-image-2.1/official_background_removal")
     g.note(f"""
@@ -149,14 +164,15 @@ The same job as core's `image_qwen_image_2_1_background_removal` template, with 
 `RGBA` output goes to *Save Image*: a PNG with the alpha channel the model generates.
 
 What ours does differently: {BASE_DIFFERENCE} The image is computed once and cached (`prefix_cache`).
-""", (0, 1100), (400, 360))
+""", (0, 660), (400, 360))
 
 
 def official_turbo_t2i(g: Graph) -> None:
     model, encoder, vae = add_loaders(g, INT8_TURBO_MODEL, INT8_TEXT_ENCODER)
+    _frame_models(g, model, encoder, vae)
     enhancer = _prompt_enhancer(g, "t2i", "An underground techno event poster: black background, the two-line "
                                 "headline \"QWEN IMAGE\" / \"2.1 TURBO\" in heavy white capitals, black-and-white "
-                                "halftone portraits, fluorescent orange accents, risograph texture.", (420, 660))
+                                "halftone portraits, fluorescent orange accents, risograph texture.")
     positive = _enhanced_prompt(g, encoder, enhancer, "")
     sampler = add_sampler(g, "QI21TurboSampler", model, positive, pos=(1340, 400), width=1024, height=1024)
     _euler_to_image(g, vae, sampler, "official_turbo_t2i", turbo=True)
@@ -169,12 +185,13 @@ def official_turbo_t2i(g: Graph) -> None:
 
 def official_turbo_image_edit(g: Graph) -> None:
     model, encoder, vae = add_loaders(g, INT8_TURBO_MODEL, INT8_TEXT_ENCODER)
+    _frame_models(g, model, encoder, vae)
     image, reference = add_reference(g, vae, "ballet_dancer_photography_minimalist_architecture.png", 1,
-                                     (420, 1500), resolution=0)
+                                     (420, 1200), resolution=0)
     enhancer = _prompt_enhancer(g, "i2i", "Relight the scene as a clear moonlit night with a full moon in the sky "
                                 "seen through the oculus; soft blue-silver moonlight on the stone platform and a long "
                                 "soft shadow of the dancer. Keep her pose, the architecture and the framing.",
-                                (420, 660), images=image)
+                                images=image)
     positive = _enhanced_prompt(g, encoder, enhancer, "", references=reference)
     sampler = add_sampler(g, "QI21TurboSampler", model, positive, pos=(1340, 400), width=0, height=0)
     _euler_to_image(g, vae, sampler, "official_turbo_image_edit", turbo=True)

@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workflow_layout import GROUP_COLOR, Group, lay_out, overlaps
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -64,6 +66,7 @@ class Widget:
     optional: bool = False
     control_after_generate: bool = False
     in_api: bool = True  # LoadImage's upload button is saved in the UI form only
+    multiline: bool = False  # a text box, taller than a one-line widget (workflow_layout.min_height)
 
 
 @dataclass(frozen=True)
@@ -90,9 +93,10 @@ CORE_NODES = {spec.node_type: spec for spec in (
              widgets=(Widget("filename_prefix", "STRING", "ComfyUI"),), outputs=(Port("images", "IMAGE"),)),
     NodeSpec("PreviewImage", "Preview Image", sockets=(Port("images", "IMAGE"),), outputs=(Port("images", "IMAGE"),)),
     NodeSpec("MaskPreview", "Preview Mask", sockets=(Port("mask", "MASK"),), outputs=(Port("mask", "MASK"),)),
-    NodeSpec("MarkdownNote", "Markdown Note", widgets=(Widget("text", "STRING", ""),), in_api=False,
+    NodeSpec("MarkdownNote", "Markdown Note", widgets=(Widget("text", "STRING", "", multiline=True),), in_api=False,
              widget_sockets=False),
-    NodeSpec("Note", "Note", widgets=(Widget("text", "STRING", ""),), in_api=False, widget_sockets=False),
+    NodeSpec("Note", "Note", widgets=(Widget("text", "STRING", "", multiline=True),), in_api=False,
+             widget_sockets=False),
     NodeSpec("SetLatentNoiseMask", "Set Latent Noise Mask", sockets=(Port("samples", "LATENT"), Port("mask", "MASK")),
              outputs=(Port("LATENT", "LATENT"),)),
     NodeSpec("ManualSigmas", "ManualSigmas", widgets=(Widget("sigmas", "STRING", "1, 0.5"),),
@@ -109,7 +113,7 @@ CORE_NODES = {spec.node_type: spec for spec in (
     NodeSpec("TextGenerate", "Generate Text",
              sockets=(Port("clip", "CLIP"), Port("image", "IMAGE", True), Port("video", "IMAGE", True),
                       Port("audio", "AUDIO", True), Port("system_prompt", "STRING", True)),
-             widgets=(Widget("prompt", "STRING", ""), Widget("max_length", "INT", 512),
+             widgets=(Widget("prompt", "STRING", "", multiline=True), Widget("max_length", "INT", 512),
                       Widget("sampling_mode", "COMBO", "on"), Widget("sampling_mode.temperature", "FLOAT", 0.7),
                       Widget("sampling_mode.top_k", "INT", 64), Widget("sampling_mode.top_p", "FLOAT", 0.95),
                       Widget("sampling_mode.min_p", "FLOAT", 0.05),
@@ -122,7 +126,7 @@ CORE_NODES = {spec.node_type: spec for spec in (
     NodeSpec("ComfySwitchNode", "If/Else Switch", sockets=(Port("on_false", "STRING", True),
                                                           Port("on_true", "STRING", True)),
              widgets=(Widget("switch", "BOOLEAN", False),), outputs=(Port("output", "STRING"),)),
-    NodeSpec("PrimitiveStringMultiline", "Text (Multiline)", widgets=(Widget("value", "STRING", ""),),
+    NodeSpec("PrimitiveStringMultiline", "Text (Multiline)", widgets=(Widget("value", "STRING", "", multiline=True),),
              outputs=(Port("STRING", "STRING"),)),
     NodeSpec("PreviewAny", "Preview as Text", sockets=(Port("source", "*"),), outputs=(Port("STRING", "STRING"),)),
     NodeSpec("KSamplerSelect", "KSamplerSelect", widgets=(Widget("sampler_name", "COMBO", "euler"),),
@@ -149,7 +153,8 @@ def spec_from_schema(schema, option) -> NodeSpec:
         node_type=schema.node_id,
         display_name=schema.display_name or schema.node_id,
         sockets=tuple(Port(i.id, i.io_type, bool(i.optional)) for i in inputs if i.io_type not in WIDGET_TYPES),
-        widgets=tuple(Widget(i.id, i.io_type, i.default, bool(i.optional), bool(option(i, "control_after_generate")))
+        widgets=tuple(Widget(i.id, i.io_type, i.default, bool(i.optional), bool(option(i, "control_after_generate")),
+                             multiline=bool(option(i, "multiline")))
                       for i in inputs if i.io_type in WIDGET_TYPES),
         outputs=tuple(Port(o.display_name or o.io_type, o.io_type) for o in schema.outputs),
     )
@@ -211,6 +216,7 @@ class Graph:
         self.name, self.specs = name, specs
         self.nodes: list[Node] = []
         self.links: list[Link] = []
+        self.groups: list[Group] = []
 
     def add(self, node_type: str, pos, size, title: str = None, **values) -> Node:
         spec = self.specs[node_type]
@@ -226,6 +232,22 @@ class Graph:
         node = Node(len(self.nodes) + 1, spec, tuple(pos), tuple(size), full, title)
         self.nodes.append(node)
         return node
+
+    def group(self, title: str, *nodes: Node) -> None:
+        """A titled frame around `nodes` (placed by `arrange`), as core's templates frame theirs."""
+        self.groups.append(Group(title, list(nodes)))
+
+    def arrange(self) -> None:
+        """Lay the nodes out on the grid (workflow_layout.py); refuses a layout where anything overlaps."""
+        lay_out(self.nodes, self.groups)
+        if problems := overlaps(*self.layout_view()):
+            raise ValueError(f"{self.name}: " + "; ".join(problems))
+
+    def layout_view(self) -> tuple[list, list]:
+        """(name, pos, size) of every node and (title, bounding, member names) of every group."""
+        name = {id(n): f"#{n.id} {n.title or n.spec.display_name}" for n in self.nodes}
+        return ([(name[id(n)], n.pos, n.size) for n in self.nodes],
+                [(g.title, g.bounding, {name[id(n)] for n in g.nodes}) for g in self.groups])
 
     def note(self, text: str, pos, size) -> Node:
         return self.add("MarkdownNote", pos, size, text=text.strip() + "\n")
@@ -306,7 +328,8 @@ class Graph:
             "last_link_id": max((link.id for link in self.links), default=0),
             "nodes": nodes,
             "links": links,
-            "groups": [],
+            "groups": [{"id": i, "title": g.title, "bounding": list(g.bounding), "color": GROUP_COLOR, "flags": {}}
+                       for i, g in enumerate(self.groups, 1)],
             "config": {},
             "extra": {"ds": {"scale": 0.75, "offset": [40, 40]}},
             "version": 0.4,

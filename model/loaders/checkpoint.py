@@ -19,6 +19,7 @@ from .safetensors_io import CheckpointError, TensorInfo, parse_json_object, read
 
 __all__ = [  # the header-level names are re-exported so loaders import their plumbing from one place
     "FILE_DTYPES",
+    "FLOAT_DTYPES",
     "FP8_FILE_DTYPES",
     "TORCH_DTYPES",
     "WEIGHT_DTYPES",
@@ -52,6 +53,8 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 # Stored dtypes a model computes in, and the fp8 ones a loader may accept where it says so.
 FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 FP8_FILE_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+#: What the text encoder, the VAE, the control net and a GGUF DiT compute in (the DiT also holds fp8 weights).
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SAFETENSORS_NAMES = {
     dtype: name for name, dtype in {
         **FILE_DTYPES, **FP8_FILE_DTYPES, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,

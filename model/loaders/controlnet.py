@@ -17,6 +17,7 @@ import torch
 from ..transformer.controlnet import CONTROL_IN_DIM, ControlNetConfig, ControlPatch, FunControlNet
 from .checkpoint import (
     FILE_DTYPES,
+    FLOAT_DTYPES,
     CheckpointError,
     WeightReader,
     check_dtypes,
@@ -30,7 +31,6 @@ from .checkpoint import (
 from .lora import clone_tree
 
 DETECT_KEYS = ("control_img_in.weight", "control_blocks.0.img_mlp.out.weight")  # what ComfyUI's loader tests
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RELEASED = "qwen_image_2.1_fun_controlnet_union_bf16.safetensors (or its _int8_convrot twin)"
 #: A key of each other model patch ComfyUI's ModelPatchLoader knows, and what that patch is.
 OTHER_PATCHES = (
@@ -141,7 +141,7 @@ def load_controlnet(path, weight_dtype: str = "default", device="cpu") -> FunCon
     plan = controlnet_plan(config, fused)
     _check_shapes(plan, logical, config, where)
     check_dtypes(logical, {key: tuple(FILE_DTYPES) for keys in plan.values() for key in keys}, where, "control net")
-    compute = choose_dtype(weight_dtype, logical["control_img_in.weight"].dtype, DTYPES, "control net")
+    compute = choose_dtype(weight_dtype, logical["control_img_in.weight"].dtype, FLOAT_DTYPES, "control net")
     device = torch.device(device)
     with torch.device("meta"):
         net = FunControlNet(config, dtype=compute)

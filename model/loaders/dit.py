@@ -28,6 +28,7 @@ from ..layers.kitchen import QuantLinear, set_gemm
 from ..transformer.dit import DiTConfig, QwenImage21DiT
 from .checkpoint import (
     FILE_DTYPES,
+    FLOAT_DTYPES,
     FP8_FILE_DTYPES,
     CheckpointError,
     WeightFiles,
@@ -43,7 +44,7 @@ from .checkpoint import (
 from .dit_keys import DiTSource, check_shapes, file_plan, infer_config, strip_prefix, variant_from_name
 
 # What the DiT loads as; fp8_e4m3fn stores the FP8_PARAMS weights in fp8 and computes in bf16.
-DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Linear weights stored in fp8 when asked: the block GEMMs (95% of the parameters). Embeddings, norms, the
 # shared modulation table and the output head stay in bf16, as they steer every token. The same weights may

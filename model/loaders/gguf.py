@@ -23,12 +23,12 @@ import torch
 from ..layers.gguf import FLOAT_TYPES, QUANT_TYPES, SUPPORTED_TYPES, GGUFLinear, block_scales, dequantize
 from ..layers.linear import Linear
 from ..transformer.dit import QwenImage21DiT
-from .checkpoint import CheckpointError, TensorInfo, choose_dtype, rename_keys, shown
+from .checkpoint import FLOAT_DTYPES, CheckpointError, TensorInfo, choose_dtype, rename_keys, shown
 from .dit_keys import DiTSource, check_shapes, file_plan, infer_config, strip_prefix, variant_from_name
 from .finite import check_finite
 from .gguf_scan import GGUFScanError, scan_gguf
+from .safetensors_io import REDOWNLOAD
 
-COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ORIG_SHAPE_KEY = "comfy.gguf.orig_shape."  # + tensor name: its shape before ComfyUI-GGUF flattened it to rows of 256
 # general.architecture values of other image models (ComfyUI-GGUF's list) and of language models (llama.cpp's)
 OTHER_IMAGE_ARCHS = {
@@ -40,7 +40,6 @@ LANGUAGE_ARCHS = {"llama", "qwen", "qwen2", "qwen2vl", "qwen2moe", "qwen3", "qwe
                   "gemma", "gemma2", "gemma3", "mistral", "phi3", "gpt2", "bert", "umt5"}
 _PUT_HERE = ("Put Qwen-Image 2.1 DiT files (qwen_image_2.1_bf16.safetensors, or a GGUF of it such as "
              "qwen_image_2.1-Q4_K_M.gguf) in models/diffusion_models.")
-_REDOWNLOAD = "The file is damaged or was written by a broken tool; download it again."
 
 
 def _import_gguf(where: str):
@@ -65,7 +64,7 @@ def _open(gguf, path: Path):
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read this file ({error.strerror or error}).") from None
     if magic != b"GGUF":
-        raise CheckpointError(f"{where} is not a GGUF file (it does not start with the GGUF magic). {_REDOWNLOAD}")
+        raise CheckpointError(f"{where} is not a GGUF file (it does not start with the GGUF magic). {REDOWNLOAD}")
     try:
         scan_gguf(path, {int(qtype): sizes for qtype, sizes in gguf.GGML_QUANT_SIZES.items()})
     except GGUFScanError as error:
@@ -99,7 +98,7 @@ def _orig_shape(gguf, reader, name: str, where: str) -> tuple[int, ...] | None:
     integers = {gguf.GGUFValueType.INT32, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT64,
                 gguf.GGUFValueType.UINT64}
     if len(field.types) != 2 or field.types[0] != gguf.GGUFValueType.ARRAY or field.types[1] not in integers:
-        raise CheckpointError(f"{where}: {shown(ORIG_SHAPE_KEY + name)} is not an array of integers. {_REDOWNLOAD}")
+        raise CheckpointError(f"{where}: {shown(ORIG_SHAPE_KEY + name)} is not an array of integers. {REDOWNLOAD}")
     return tuple(int(field.parts[index][0]) for index in field.data)
 
 
@@ -136,7 +135,7 @@ def _table(gguf, reader, path: Path) -> dict:
         if int(np.prod(shape, dtype=np.int64)) != count:
             raise CheckpointError(
                 f"{where}: {shown(ORIG_SHAPE_KEY + tensor.name)} = {list(shape)[:8]} does not hold the tensor's "
-                f"{count} elements. {_REDOWNLOAD}"
+                f"{count} elements. {REDOWNLOAD}"
             )
         table[tensor.name] = (qtype, shape, int(tensor.n_bytes), tensor.data)
     return table
@@ -156,7 +155,7 @@ def _check_types(table, keys: dict[str, str], where: str) -> None:
         block = QUANT_TYPES[qtype][0] if qtype in QUANT_TYPES else 1
         if int(np.prod(shape, dtype=np.int64)) % block:
             raise CheckpointError(f"{where}: {key} ({qtype}, shape {list(shape)}) is not a whole number of "
-                                  f"{block}-element blocks. {_REDOWNLOAD}")
+                                  f"{block}-element blocks. {REDOWNLOAD}")
 
 
 def load_gguf_dit(path, weight_dtype: str = "default", device="cpu", attention: str = "auto") -> QwenImage21DiT:
@@ -167,7 +166,7 @@ def load_gguf_dit(path, weight_dtype: str = "default", device="cpu", attention: 
     """
     path = Path(path)
     where = path.name
-    compute = choose_dtype(weight_dtype, "GGUF", COMPUTE_DTYPES,
+    compute = choose_dtype(weight_dtype, "GGUF", FLOAT_DTYPES,
                            "GGUF DiT, whose weights stay in the file's quantized types")
     gguf = _import_gguf(where)
     reader = _open(gguf, path)

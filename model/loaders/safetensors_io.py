@@ -27,7 +27,8 @@ DTYPE_BITS = {
     "F6_E3M2": 6, "F4": 4, "C64": 64, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64, "U32": 32, "U16": 16,
     "U8": 8, "BOOL": 8,
 }
-_REDOWNLOAD = "The file is damaged or was written by a broken tool; download it again."
+#: The advice every damaged-file error ends with (safetensors and GGUF readers).
+REDOWNLOAD = "The file is damaged or was written by a broken tool; download it again."
 #: The most characters of any text taken from a file (a key, a metadata string) that a message quotes: a hostile
 #: file's 16 MiB name would otherwise be copied whole into the error, the log and ComfyUI's /history.
 SHOWN_CHARS = 120
@@ -83,13 +84,13 @@ def parse_json_object(raw: bytes, where: str, what: str, max_depth: int) -> dict
     """`raw` parsed as a JSON object, nesting bounded before parsing; any problem is a CheckpointError."""
     if _too_deep(raw, max_depth):
         raise CheckpointError(f"{where}: the {what} nests deeper than {max_depth} levels, which no valid one does. "
-                              f"{_REDOWNLOAD}")
+                              f"{REDOWNLOAD}")
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise CheckpointError(f"{where}: the {what} is not valid JSON ({error}). {_REDOWNLOAD}") from None
+        raise CheckpointError(f"{where}: the {what} is not valid JSON ({error}). {REDOWNLOAD}") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{where}: the {what} is a JSON {type(data).__name__}, expected an object. {_REDOWNLOAD}")
+        raise CheckpointError(f"{where}: the {what} is a JSON {type(data).__name__}, expected an object. {REDOWNLOAD}")
     return data
 
 
@@ -105,22 +106,22 @@ def _entry(name: str, entry, path: Path) -> tuple[TensorInfo, int, int]:
             or not all(_is_count(o) for o in entry["data_offsets"]):
         raise CheckpointError(
             f"{path.name}: malformed header entry for tensor {shown(name)} (expected a dtype, a shape of non-negative "
-            f"integers and two non-negative data offsets). {_REDOWNLOAD}"
+            f"integers and two non-negative data offsets). {REDOWNLOAD}"
         )
     dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
     if begin > end:
         raise CheckpointError(f"{path.name}: tensor {shown(name)} has reversed data offsets [{begin}, {end}]. "
-                              f"{_REDOWNLOAD}")
+                              f"{REDOWNLOAD}")
     if dtype not in DTYPE_BITS:
         raise CheckpointError(
             f"{path.name}: tensor {shown(name)} has dtype {shown(dtype)}, which safetensors does not define "
-            f"(expected one of {', '.join(DTYPE_BITS)}). {_REDOWNLOAD}"
+            f"(expected one of {', '.join(DTYPE_BITS)}). {REDOWNLOAD}"
         )
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if bits != 8 * (end - begin):
         raise CheckpointError(
             f"{path.name}: tensor {shown(name)} is {dtype} of shape {list(shape)}, {bits / 8:g} bytes, but its data "
-            f"offsets span {end - begin} bytes. {_REDOWNLOAD}"
+            f"offsets span {end - begin} bytes. {REDOWNLOAD}"
         )
     return TensorInfo(dtype, shape, path), begin, end
 
@@ -155,12 +156,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
         header = parse_json_object(handle.read(header_len), path.name, "safetensors header", MAX_HEADER_DEPTH)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError(f"{path.name}: the header's __metadata__ is not a map of strings. {_REDOWNLOAD}")
+        raise CheckpointError(f"{path.name}: the header's __metadata__ is not a map of strings. {REDOWNLOAD}")
     tensors, spans = {}, []
     for name, entry in header.items():
         if len(name) > MAX_KEY_CHARS:  # every later message may quote a key: none is longer than this
             raise CheckpointError(f"{path.name}: tensor name {shown(name)} is longer than any weight's name "
-                                  f"({MAX_KEY_CHARS:,} characters at most). {_REDOWNLOAD}")
+                                  f"({MAX_KEY_CHARS:,} characters at most). {REDOWNLOAD}")
         tensors[name], begin, end = _entry(name, entry, path)
         spans.append((begin, end, name))
     # Tensors must tile the data section exactly, in offset order: no gap, no overlap (what safetensors checks).
@@ -170,7 +171,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
             problem = ("overlaps the tensor before it" if begin < data_end
                        else f"leaves a gap of {begin - data_end} bytes")
             raise CheckpointError(
-                f"{path.name}: the data of tensor {shown(name)} (offsets [{begin}, {end}]) {problem}. {_REDOWNLOAD}"
+                f"{path.name}: the data of tensor {shown(name)} (offsets [{begin}, {end}]) {problem}. {REDOWNLOAD}"
             )
         data_end = end
     expected = 8 + header_len + data_end
@@ -182,6 +183,6 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
     if size > expected:
         raise CheckpointError(
             f"{path.name}: {size - expected:,} bytes follow the last tensor that its header does not describe. "
-            f"{_REDOWNLOAD}"
+            f"{REDOWNLOAD}"
         )
     return tensors, metadata

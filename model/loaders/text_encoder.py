@@ -38,9 +38,10 @@ from transformers import Qwen2Tokenizer, Qwen3VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
-from ..text_encoder import QwenImageTextEncoder
+from ..encoders.text_encoder import QwenImageTextEncoder
 from .checkpoint import (
     FILE_DTYPES,
+    FLOAT_DTYPES,
     CheckpointError,
     WeightFiles,
     WeightReader,
@@ -94,7 +95,6 @@ IMAGE_PROCESSOR_DEFAULTS = {
 IMAGE_PROCESSOR_KEYS = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
                         "image_std", "do_convert_rgb", "size", "min_pixels", "max_pixels", "patch_size",
                         "temporal_patch_size", "merge_size")
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the text encoder loads as
 # What to load when a quantized file cannot run here.
 QUANTIZED_INSTEAD = "qwen3vl_8b_int8_convrot.safetensors or qwen3vl_8b_bf16.safetensors"
 DIFFUSERS_FOLDER = ("a diffusers Qwen-Image-2.1 text_encoder/ folder (config.json + model.safetensors, or shards "
@@ -350,7 +350,8 @@ def load_text_encoder(path, weight_dtype="default", device="cpu", tokenizer_dir=
         file_infos, infos = infos, quant.logical(infos)  # the scales dropped, quantized weights [out, in]
     plan = _plan(infos, path)
     check_dtypes(infos, dict.fromkeys(plan.values(), tuple(FILE_DTYPES)), path.name, "text encoder")
-    chosen = choose_dtype(weight_dtype, infos[plan["language_model.embed_tokens.weight"]].dtype, DTYPES, "text encoder")
+    stored = infos[plan["language_model.embed_tokens.weight"]].dtype
+    chosen = choose_dtype(weight_dtype, stored, FLOAT_DTYPES, "text encoder")
     shapes = {name: tuple(infos[key].shape) for name, key in plan.items()}
     if weights.config is not None:
         config = config_from_shapes(shapes, read_json(weights.config, "text encoder config.json"), str(weights.config))

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from ..vae import QwenImage21VAE, QwenImage21VAEConfig
+from ..vae.autoencoder import QwenImage21VAE, QwenImage21VAEConfig
 from .checkpoint import (
     FILE_DTYPES,
+    FLOAT_DTYPES,
     MEMORY,
     CheckpointError,
     TensorInfo,
@@ -41,7 +42,6 @@ from .checkpoint import (
     rename_keys,
 )
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the VAE loads as (fp16 warns, see _dtype)
 # Full-checkpoint prefixes some files keep (ComfyUI strips the same ones).
 PREFIXES = ("first_stage_model.", "vae.")
 # One row per layout; every key of a row must be present (ComfyUI detects the Wan file by the first two).
@@ -261,7 +261,7 @@ def _convert(tensor: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _dtype(weight_dtype, file_dtype: str, where: str) -> torch.dtype:
-    dtype = choose_dtype(weight_dtype, file_dtype, DTYPES, "VAE")
+    dtype = choose_dtype(weight_dtype, file_dtype, FLOAT_DTYPES, "VAE")
     if weight_dtype in (None, "default") and dtype == torch.float16:
         dtype = torch.bfloat16  # an fp16 file: the decoder overflows fp16 and bf16 keeps its range
     if dtype == torch.float16:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..transformer.dit import DiTConfig
-from ..vae import QwenImage21VAEConfig, VAETiling
+from ..vae.autoencoder import QwenImage21VAEConfig, VAETiling
 from .weights import LayeredWeights, module_tensors, tensor_bytes
 
 GIB = 1024**3
@@ -131,7 +131,7 @@ class VAEShape:
     @classmethod
     def released(cls, itemsize: int = 2) -> "VAEShape":
         """The released VAE (its parameters counted on the meta device) in a `itemsize`-byte dtype."""
-        from ..vae import QwenImage21VAE
+        from ..vae.autoencoder import QwenImage21VAE
 
         with torch.device("meta"):
             vae = QwenImage21VAE()

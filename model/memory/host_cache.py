@@ -37,8 +37,8 @@ class HostPrefixKVCache(PrefixKVCache):
         self.compute_device = torch.device(device)
         self.prefix_lens = tuple(int(p) for p in prefix_lens)
         pin = self.compute_device.type == "cuda"
-        self.kv = [torch.empty(layers, 2, p, heads, head_dim, dtype=dtype, device="cpu", pin_memory=pin)
-                   for p in self.prefix_lens]
+        self.kv = [self.new_payload(layers, p, heads, head_dim, dtype, "cpu", pin_memory=pin) for p in self.prefix_lens]
+        self.compute_dtype, self._head_shape = dtype, (heads, head_dim)
         self.parts = tuple(((t, 0, p),) for t, p in zip(self.kv, self.prefix_lens))
         self.computed = tuple((g, 0, p) for g, p in enumerate(self.prefix_lens))
 
@@ -66,6 +66,8 @@ class HostPrefixKVCache(PrefixKVCache):
     def _store(self, group: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         entry = self.kv[group][layer]
         pinned = entry.is_pinned()
+        if self.storage is not None:  # quantized on the device; only the quantized bytes cross to the host
+            key, value = self._quantized(key, value)
         entry[0].copy_(key, non_blocking=pinned)
         entry[1].copy_(value, non_blocking=pinned)
         if self.compute_device.type == "cuda":
@@ -74,6 +76,15 @@ class HostPrefixKVCache(PrefixKVCache):
             self._written[layer] = event
         if self._ring is not None:  # a slot holding this layer is stale now
             self._ring.forget(layer)
+
+    def _quantized(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Keys and values `(rows, heads, head_dim)` as stored rows on the compute device; the rows are replaced by
+        their dequantized values, which the prefill then attends over (as a device-side quantized cache does)."""
+        stored = torch.empty(2, key.shape[0], *self.row_shape(*key.shape[1:]), dtype=torch.uint8, device=key.device)
+        for index, rows in enumerate((key, value)):
+            self.storage.encode(rows.reshape(rows.shape[0], -1), stored[index])
+            rows.copy_(self.storage.decode(stored[index], rows[0].numel(), rows.dtype).view(rows.shape))
+        return stored[0], stored[1]
 
     def _slot_copies(self, layer: int, slot: int):
         self.copies += 1
@@ -106,12 +117,12 @@ class HostLayerKV(LayerKV):
         self.cache._store(group, self.layer, key, value)
 
     def read(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        entry = self.cache._read(self.layer)[group]
-        return entry[0], entry[1]
+        return self.read_parts(group)[0]
 
     def read_parts(self, group: int, rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        key, value = self.read(group)
-        return [(key, value) if rows is None else (key[:rows], value[:rows])]
+        entry = self.cache._read(self.layer)[group]
+        key, value = (entry[0], entry[1]) if rows is None else (entry[0, :rows], entry[1, :rows])
+        return [(key, value) if self.cache.storage is None else self.cache.decoded(key, value)]
 
 
 

@@ -29,8 +29,9 @@ tests run on any machine (`benchmarks/plan_table.py`).
 import math
 from dataclasses import dataclass, field, replace
 
+from ..transformer.cache_storage import CACHE_DEVICES, DECODE_ROWS, cache_row_bytes
 from ..transformer.dit import DiTConfig
-from .estimate import GIB, RunEstimate, VAEShape, decode_transient, estimate_run
+from .estimate import FP32, GIB, RunEstimate, VAEShape, decode_transient, estimate_run
 from .slots import STREAM_SLOTS
 from .weights import LINEAR_ITEMSIZE, LayeredWeights, synthetic_dit_weights
 
@@ -102,6 +103,8 @@ class RunShape:
         cache_layers: layers the run's prefix caches hold together (None: the DiT's blocks). A Fun ControlNet adds
             its blocks' layers, and a partial window a plain cache beside the controlled one (run_caches.py).
         extra_row_buffers: `(rows, width)` buffers a step holds besides the DiT's (a control stream: 3).
+        cache_dtype: how the cache stores its rows ("default": the compute dtype; "int8" / "int4": quantized,
+            scales included; transformer/cache_storage.py).
     """
 
     prefix_tokens: tuple[int, ...]
@@ -112,6 +115,7 @@ class RunShape:
     reference_tokens: tuple[int, ...] = ()
     cache_layers: int | None = None
     extra_row_buffers: int = 0
+    cache_dtype: str = "default"
 
     @property
     def target_tokens(self) -> int:
@@ -142,6 +146,8 @@ class Plan:
         store_budget: bytes the kept-cache store may hold beside this run (device, or host with a host cache).
         copied_per_step: bytes copied from the host per step (0: nothing streamed after the first step).
         host_bytes: host memory the plan pins (streamed blocks, a host-side cache).
+        cache_bytes: the prefix caches' predicted bytes (as stored: a quantized cache's bytes and scales).
+        cache_dtype: how the cache stores its rows (`RunShape.cache_dtype`).
     """
 
     streamed: tuple[int, ...]
@@ -153,6 +159,8 @@ class Plan:
     store_budget: int = 0
     copied_per_step: int = 0
     host_bytes: int = 0
+    cache_bytes: int = 0
+    cache_dtype: str = "default"
 
     @property
     def weights(self) -> str:
@@ -178,7 +186,8 @@ class Plan:
         """The sampler report's `plan` entry."""
         return {"weights": self.weights_label, "cache": self.cache, "decode": self.decode,
                 "predicted_peak_bytes": int(self.sampling_peak),
-                "phases": {k: int(v) for k, v in self.phases.items()}}
+                "phases": {k: int(v) for k, v in self.phases.items()},
+                "cache_bytes": int(self.cache_bytes), "cache_dtype": self.cache_dtype}
 
     def describe(self) -> str:
         phases = ", ".join(f"{k} {gib(v)}" for k, v in self.phases.items())
@@ -212,8 +221,20 @@ def run_estimate(config: DiTConfig, run: RunShape, itemsize: int, cached: bool =
     prefix = list(run.prefix_tokens) if prefix is None else list(prefix)
     full = estimate_run(config, prefix, run.target_tokens, run.batch, run.cfg, itemsize, cached)
     layers = run.cache_layers or config.num_layers
-    return replace(full, cache=full.cache * layers // config.num_layers,
-                   step=full.step + run.extra_row_buffers * full.rows * config.width * itemsize)
+    cache = full.cache * layers // config.num_layers
+    if run.cache_dtype != "default" and cache:  # rows as stored: quantized bytes and their scales
+        cache = 2 * layers * sum(prefix) * cache_row_bytes(run.cache_dtype, config.width, itemsize)
+    return replace(full, cache=cache, step=full.step + run.extra_row_buffers * full.rows * config.width * itemsize)
+
+
+def storage_transient(config: DiTConfig, run: RunShape, itemsize: int) -> int:
+    """What a quantized cache adds to a step that reads or writes it: every prefix's keys and values of one layer
+    dequantized into the compute dtype for the target attention, and the layout's fp32 temporaries of one block of
+    rows (`DECODE_ROWS`; quantizing works in smaller blocks). 0 for the default storage."""
+    if run.cache_dtype == "default" or not run.prefix_tokens:
+        return 0
+    width = config.width
+    return 2 * sum(run.prefix_tokens) * width * itemsize + 2 * DECODE_ROWS * width * FP32
 
 
 def sampling_phases(weights: LayeredWeights, config: DiTConfig, run: RunShape, itemsize: int,
@@ -230,9 +251,10 @@ def sampling_phases(weights: LayeredWeights, config: DiTConfig, run: RunShape, i
         return {"uncached": base + full.step}
     per_layer = full.cache // (run.cache_layers or config.num_layers)
     on_device = full.cache if cache == "device" else STREAM_SLOTS * per_layer
+    quantized = storage_transient(config, run, itemsize)
     return {
-        "prefill": base + full.step + (full.cache if cache == "device" else 0),
-        "cached": base + targets_only.step + on_device,
+        "prefill": base + full.step + (full.cache if cache == "device" else 0) + quantized,
+        "cached": base + targets_only.step + on_device + quantized,
     }
 
 
@@ -242,7 +264,7 @@ def _copied_per_step(weights: LayeredWeights, streamed, cache: str, cache_bytes:
 
 
 def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: Budget, itemsize: int,
-             choice: str = "auto", vae: VAEShape | None = None) -> Plan:
+             choice: str = "auto", vae: VAEShape | None = None, cache_choice: str = "auto") -> Plan:
     """The fastest plan of a sampling run that fits `budget`; `PlanError` (naming the least memory that would
     run it and what to change) when none does.
 
@@ -250,14 +272,20 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
     Under ComfyUI's --lowvram ("low") auto always streams at least three blocks (fewer would sit in the two slots
     and save nothing); under --novram ("no") it streams all and
     keeps the cache in host memory. `vae` (default: the released one in the DiT's dtype) predicts the decode.
+    `cache_choice` (the cache options' `device`): "auto", "gpu" (the cache on the device, or an error), "cpu" (in
+    pinned host memory, streamed in per layer); "off" is a run without the cache (`run.prefix_cache` False).
     """
     if choice not in PLAN_CHOICES:
         raise ValueError(f"the plan choice must be one of {PLAN_CHOICES}, got {choice!r}.")
+    if cache_choice not in CACHE_DEVICES:
+        raise ValueError(f"the cache device must be one of {', '.join(CACHE_DEVICES)}, got {cache_choice!r}.")
     n = len(weights.layers)
     vae = vae or VAEShape.released(itemsize)
     cache_bytes = run_estimate(config, run, itemsize).cache
-    if not run.prefix_cache:
+    if not run.prefix_cache or cache_choice == "off":
         caches = ("off",)
+    elif cache_choice != "auto":
+        caches = ("device",) if cache_choice == "gpu" else ("host",)
     elif budget.unified:
         caches = ("device",)
     elif budget.mode == "no":
@@ -288,7 +316,8 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
                 best = (key, streamed, cache, phases, host)
             break
     if best is None:
-        raise PlanError(_no_plan_message(weights, config, run, budget, itemsize, choice, vae))
+        raise PlanError(_no_plan_message(weights, config, run, budget, itemsize, choice, vae,
+                                         "device" if cache_choice == "gpu" else None))
     (copied, _, _), streamed, cache, phases, host = best
     decode = plan_decode(vae, run.batch, run.grid, budget, must_fit=False)
     phases = {**phases, "decode": decode.peak}
@@ -298,26 +327,33 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
         # the run's own (new or taken) cache is part of its peak already: kept entries get only what is left
         sampling_peak = max(v for k, v in phases.items() if k != "decode")
         store_budget = max(0, budget.device - sampling_peak)
-    return Plan(streamed, n, cache, decode.label, phases, budget, store_budget, copied, host)
+    return Plan(streamed, n, cache, decode.label, phases, budget, store_budget, copied, host,
+                cache_bytes if cache != "off" else 0, run.cache_dtype)
 
 
 def least_memory(weights: LayeredWeights, config: DiTConfig, run: RunShape, itemsize: int, unified: bool = False,
-                 choice: str = "auto") -> int:
+                 choice: str = "auto", cache: str | None = None) -> int:
     """The smallest device budget any plan of this run fits: every block streamed and the cache on the host (on a
-    CPU, or with `choice="resident"`, the weights stay whole)."""
+    CPU, or with `choice="resident"`, the weights stay whole; `cache` forces where the cache is)."""
     streamed = () if unified or choice == "resident" else tuple(range(len(weights.layers)))
-    cache = "off" if not run.prefix_cache else ("device" if unified else "host")
+    if cache is None:
+        cache = "off" if not run.prefix_cache else ("device" if unified else "host")
     return max(sampling_phases(weights, config, run, itemsize, streamed, cache, unified).values())
 
 
-def _no_plan_message(weights, config, run, budget, itemsize, choice, vae) -> str:
-    need = least_memory(weights, config, run, itemsize, budget.unified, choice)
+def _no_plan_message(weights, config, run, budget, itemsize, choice, vae, cache=None) -> str:
+    forced = cache if cache == "device" and not budget.unified and run.prefix_cache else None  # device = gpu
+    need = least_memory(weights, config, run, itemsize, budget.unified, choice, forced)
     est = estimate_run(config, list(run.prefix_tokens), run.target_tokens, run.batch, run.cfg, itemsize,
                        run.prefix_cache)
+    if run.cache_dtype != "default":  # the cache as stored
+        est = replace(est, cache=run_estimate(config, run, itemsize, run.prefix_cache).cache)
     if budget.unified:
         lean = "weights resident"
     elif choice == "resident":
         lean = "weights resident (plan = resident)"
+    elif forced:
+        lean = f"weights streamed 0/{len(weights.layers)}, prefix cache on the device (the cache options' device = gpu)"
     else:
         lean = f"weights streamed 0/{len(weights.layers)}, prefix cache in host memory"
     host_note = ""
@@ -326,7 +362,7 @@ def _no_plan_message(weights, config, run, budget, itemsize, choice, vae) -> str
                      f"memory and {gib(budget.host)} is available.")
     advice = []
     for what, other_run, other_weights in _alternatives(run, weights, config):
-        other = least_memory(other_weights, config, other_run, itemsize, budget.unified, choice)
+        other = least_memory(other_weights, config, other_run, itemsize, budget.unified, choice, forced)
         if other < 0.95 * need:  # only what makes a real difference
             advice.append(f"{what}: {gib(other)}")
     held = f"; {gib(budget.held)} of it is already there" if budget.held >= 0.05 * GIB else ""

@@ -69,14 +69,17 @@ class PrefixCacheStore:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(model, *extra, dtype=None) -> tuple:
+    def key(model, *extra, dtype=None, storage: str = "default") -> tuple:
         """The model's identity and dtype, anything else that must match (`extra`: a Fun ControlNet's net and
         strength for a controlled prefix), and last the model's LoRA set (name and strength of each: another
         strength or another LoRA never reuses a prefix). The prefix itself is matched by content (`reuse`), not by
         key. A controlled copy is identified by the model it was applied to (`cache_owner`): a new control image
-        reuses its prefix, and its steps outside the control's window share plain caches with that model's runs."""
+        reuses its prefix, and its steps outside the control's window share plain caches with that model's runs.
+        A quantized cache (`storage` "int8" / "int4") adds its storage to the dtype ("torch.bfloat16/int8"): it is
+        reused only by runs asking for the same storage."""
         loras = tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
-        return (id(cache_owner(model)), str(dtype), *extra, loras)
+        stored = str(dtype) if storage == "default" else f"{dtype}/{storage}"
+        return (id(cache_owner(model)), stored, *extra, loras)
 
     @property
     def limit_bytes(self) -> int:
@@ -258,9 +261,13 @@ def _inherit(cache, old) -> None:
 
 
 def cache_owner(model):
-    """The model whose identity keys its prefix caches: for a Fun ControlNet copy, the model it was applied to."""
+    """The model whose identity keys its prefix caches: for a Fun ControlNet copy, the model it was applied to; for
+    a copy that only sets cache options (`cache_base`), the model it was made from (the storage is in the key)."""
     control = getattr(model, "control", None)
-    return model if control is None else control.base
+    if control is not None:
+        return cache_owner(control.base)
+    base = getattr(model, "cache_base", None)
+    return model if base is None else cache_owner(base)
 
 
 def _evict_from(store_ref, model_id: int) -> None:

@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from .schedule import SIGMA_DTYPE
+
 #: ComfyUI's scheduler names in its own order (its `SCHEDULER_NAMES`).
 COMFY_SCHEDULERS = ("simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal",
                     "linear_quadratic", "kl_optimal")
@@ -19,8 +21,6 @@ TABLE_SIZE = 10_000  # rows of ComfyUI's flux-style sigma table
 KARRAS_RHO = 7.0
 BETA_ALPHA = BETA_BETA = 0.6
 LINEAR_QUADRATIC_THRESHOLD = 0.025
-
-_F32 = torch.float32
 
 
 def flux_shift(mu: float, t: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ def scheduler_sigmas(name: str, steps: int, mu: float) -> torch.Tensor:
 
 
 def _with_zero(sigmas: torch.Tensor) -> torch.Tensor:
-    return torch.cat([sigmas.to(_F32), torch.zeros(1, dtype=_F32)])
+    return torch.cat([sigmas.to(SIGMA_DTYPE), torch.zeros(1, dtype=SIGMA_DTYPE)])
 
 
 def _through_shift(name: str, steps: int, mu: float, table: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ def _through_shift(name: str, steps: int, mu: float, table: torch.Tensor) -> tor
     if name == "sgm_uniform":
         return _with_zero(flux_shift(mu, torch.linspace(start, end, steps + 1)[:-1]))
     if math.isclose(float(flux_shift(mu, end)), 0.0, abs_tol=1e-5):  # the grid reaches 0 itself: no extra 0
-        return flux_shift(mu, torch.linspace(start, end, steps + 1)).to(_F32)
+        return flux_shift(mu, torch.linspace(start, end, steps + 1)).to(SIGMA_DTYPE)
     return _with_zero(flux_shift(mu, torch.linspace(start, end, steps)))
 
 
@@ -86,7 +86,7 @@ def _ddim_uniform(steps: int, table: torch.Tensor) -> torch.Tensor:
         picked = [0.0]
     stride = max(TABLE_SIZE // steps, 1)
     picked += [float(table[row]) for row in range(1, TABLE_SIZE, stride)]
-    return torch.tensor(picked[::-1], dtype=_F32)
+    return torch.tensor(picked[::-1], dtype=SIGMA_DTYPE)
 
 
 def _beta(steps: int, table: torch.Tensor) -> torch.Tensor:
@@ -99,13 +99,13 @@ def _beta(steps: int, table: torch.Tensor) -> torch.Tensor:
         if row != previous:
             picked.append(float(table[row]))
         previous = row
-    return _with_zero(torch.tensor(picked, dtype=_F32))
+    return _with_zero(torch.tensor(picked, dtype=SIGMA_DTYPE))
 
 
 def _linear_quadratic(steps: int) -> torch.Tensor:
     """Mochi's schedule: linear to the threshold for the first half of the steps, quadratic to 1 after it."""
     if steps == 1:
-        return torch.tensor([1.0, 0.0], dtype=_F32)
+        return torch.tensor([1.0, 0.0], dtype=SIGMA_DTYPE)
     linear_steps = steps // 2
     quadratic_steps = steps - linear_steps
     threshold = LINEAR_QUADRATIC_THRESHOLD
@@ -115,15 +115,15 @@ def _linear_quadratic(steps: int) -> torch.Tensor:
     const = quad * linear_steps ** 2
     ramp = [i * threshold / linear_steps for i in range(linear_steps)]
     ramp += [quad * i ** 2 + lin * i + const for i in range(linear_steps, steps)]
-    return torch.tensor([1.0 - value for value in ramp + [1.0]], dtype=_F32)
+    return torch.tensor([1.0 - value for value in ramp + [1.0]], dtype=SIGMA_DTYPE)
 
 
 def _kl_optimal(steps: int, lowest: float, highest: float) -> torch.Tensor:
     """tan of a linear blend of atan(highest) and atan(lowest) (ComfyUI: AUTOMATIC1111 PR 15608). One step would
     divide 0 by 0 there (NaN); here it is the single step highest -> 0."""
     if steps == 1:
-        return torch.tensor([highest, 0.0], dtype=_F32)
-    frac = torch.arange(steps, dtype=_F32) / (steps - 1)
+        return torch.tensor([highest, 0.0], dtype=SIGMA_DTYPE)
+    frac = torch.arange(steps, dtype=SIGMA_DTYPE) / (steps - 1)
     return _with_zero(torch.tan(frac * math.atan(lowest) + (1 - frac) * math.atan(highest)))
 
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from einops import rearrange
 
-from ..conditioning import Conditioning
-from ..latents import LATENT_CHANNELS, latent_shape
+from ..encoders.conditioning import Conditioning
+from ..transformer.cache_storage import cache_storage
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
 from ..transformer.prefix_runs import prefix_runs
+from ..vae.latents import LATENT_CHANNELS, latent_shape
 from .cache_store import PrefixCacheStore
 from .denoiser import FlowDenoiser, run_sampler
 from .img2img import finish_latents, start_latents
@@ -201,6 +202,7 @@ def sample(
     add_noise: bool = True,
     new_cache=None,
     sampler=None,
+    cache_dtype: str = "default",
 ) -> SampleResult:
     """Denoise along `sigmas` (used as given; see `literal_sigmas`); returns normalised latents and the report.
 
@@ -215,6 +217,9 @@ def sample(
     (1 = repaint) keeps the rest of `latent_image`. A schedule ending above 0 returns the partly denoised latent.
     `new_cache()` makes the prefix cache of a miss (default `PrefixKVCache`; the memory plan may ask for a host-side
     one, `streaming.HostPrefixKVCache`).
+
+    `cache_dtype` ("default", "int8", "int4"; transformer/cache_storage.py) stores the prefix cache in the model's
+    dtype or quantized per token through comfy-kitchen; a kept cache is reused only by a run with the same one.
 
     `sampler(denoiser, sigmas, noise, latent, mask) -> latents` replaces the Euler loop with a sampler of its own
     over the model as a flow denoiser (denoiser.py: ComfyUI's SAMPLERs through the bridge); the cache is the same,
@@ -245,6 +250,7 @@ def sample(
     if prefix_cache and not cached:
         notes.append("prefix cache off: this model has causal_condition=false")
 
+    storage = cache_storage(cache_dtype, "cache_dtype") if cached else None
     if keep_cache and store is None:
         raise ValueError("keep_cache needs a store to keep the cache in (store=PrefixCacheStore(...)).")
     runs = [prefix_runs(p.layout, p.text, p.references) for p in prefixes]
@@ -274,7 +280,7 @@ def sample(
 
     # the caches are planned on first use: a kept entry they take out of the store is handled by `close` below
     caches = RunCaches(model, prefixes, runs, store=store, keep_cache=keep_cache, new_cache=new_cache, device=device,
-                       dtype=dtype, prefix_key=prefix_key) if cached else None
+                       dtype=dtype, storage=storage, prefix_key=prefix_key) if cached else None
     last_of = {phase: i for i, phase in enumerate(phases)}
     after_block = None if check_interrupt is None else (lambda index: check_interrupt())
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
@@ -343,6 +349,7 @@ def sample(
         "steps": steps,
         "cache": "off" if not cached else caches.state(),
         "cache_bytes": caches.nbytes if cached else 0,
+        "cache_dtype": caches.storage_name if cached else None,
         "cache_device": caches.device if cached else None,
         "prefill_seconds": None if prefill_seconds is None else round(prefill_seconds, 4),
         "step_seconds": round(sum(step_times) / len(step_times), 4) if step_times else None,

@@ -57,8 +57,9 @@ class RunCaches:
     """The run's caches by phase (False: plain; True: with the control). `get(phase)` plans on first use."""
 
     def __init__(self, model, prefixes, runs, *, store: PrefixCacheStore | None, keep_cache: bool, new_cache,
-                 device, dtype, prefix_key: str | None = None):
+                 device, dtype, storage=None, prefix_key: str | None = None):
         self.model, self.prefixes, self.runs, self.prefix_key = model, prefixes, runs, prefix_key
+        self.storage = storage  # None (the compute dtype) or a cache_storage.QuantizedRows
         self.store, self.keep_cache, self.new_cache = store, keep_cache, new_cache or PrefixKVCache
         self.compute_device, self.dtype = device, dtype
         self.control = getattr(model, "control", None)
@@ -82,9 +83,10 @@ class RunCaches:
         `keep_cache`) or shared with another prefix of the run; filled already when nothing is left to compute."""
         model, runs = self.model, self.runs
         extra = (self.control.cache_key,) if controlled else ()
-        key = PrefixCacheStore.key(model, *extra, dtype=self.dtype)
+        key = PrefixCacheStore.key(model, *extra, dtype=self.dtype, storage=self.storage_name)
         layers = self.layers(controlled)
         cache = self.new_cache()
+        cache.storage = self.storage
         if controlled and hasattr(cache, "read_order"):  # a host-side cache fetches the layer read next
             cache.read_order = self.control.read_order(model.config.num_layers)
         bases, taken = [None] * len(runs), []
@@ -140,6 +142,11 @@ class RunCaches:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.phases.values())
+
+    @property
+    def storage_name(self) -> str:
+        """The report's `cache_dtype`: "default" or "int8" / "int4"."""
+        return "default" if self.storage is None else self.storage.name
 
     @property
     def device(self) -> str | None:

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from ..latents import latent_tokens
+from ..vae.latents import latent_tokens
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ BASE_CONFIG = BaseScheduleConfig()
 # Turbo's `model_index.json` `sample_sigmas`: used as stored (its scheduler has no shift and no terminal stretch).
 TURBO_SIGMAS = (1.0, 0.978453, 0.954180, 0.926626, 0.895080, 0.845148, 0.704534, 0.414568)
 
-_F32 = torch.float32
+#: Sigmas, timesteps and the Euler update are fp32 whatever the model computes in, as diffusers keeps them.
+SIGMA_DTYPE = torch.float32
 
 
 def schedule_mu(tokens: int, config: BaseScheduleConfig = BASE_CONFIG) -> float:
@@ -54,22 +55,22 @@ def base_sigmas(steps: int, width: int, height: int, config: BaseScheduleConfig 
     _check_steps(steps)
     mu = schedule_mu(latent_tokens(width, height), config)
     # The grid is made in float64 (numpy linspace in the pipeline) and rounded to fp32 by the scheduler.
-    t = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64).to(_F32)
+    t = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64).to(SIGMA_DTYPE)
     # Exponential time shift s = e^mu / (e^mu + (1/t - 1)), in fp32. e^mu is made an fp32 tensor on purpose:
     # `python_float / tensor` would run as reciprocal-then-multiply (two roundings), unlike numpy's one division.
-    e_mu = torch.tensor(math.exp(mu), dtype=_F32)
+    e_mu = torch.tensor(math.exp(mu), dtype=SIGMA_DTYPE)
     s = e_mu / (e_mu + (torch.reciprocal(t) - 1.0))
     if config.shift_terminal:
         # Stretch so the last sigma lands on shift_terminal while the first stays 1: with z = 1 - s,
         # sigma = 1 - z / k, k = z[-1] / (1 - shift_terminal).
         z = 1.0 - s
-        k = z[-1] / torch.tensor(1.0 - config.shift_terminal, dtype=_F32)
+        k = z[-1] / torch.tensor(1.0 - config.shift_terminal, dtype=SIGMA_DTYPE)
         # steps=1: the only grid point is t=1, so z = [0] and k = 0. diffusers computes 0/0 = NaN there (numpy
         # warns, nothing raises) and would sample from a NaN timestep. A single point cannot both start at 1 and
         # end at shift_terminal; we keep the start (pure noise) and skip the stretch, i.e. one step 1 -> 0.
         if k > 0:
             s = 1.0 - z / k
-    return torch.cat([s, torch.zeros(1, dtype=_F32)])
+    return torch.cat([s, torch.zeros(1, dtype=SIGMA_DTYPE)])
 
 
 def turbo_sigmas(steps: int = 8) -> torch.Tensor:
@@ -83,7 +84,7 @@ def turbo_sigmas(steps: int = 8) -> torch.Tensor:
             f"The Turbo schedule is the stored {len(TURBO_SIGMAS)}-sigma grid; steps={steps} was asked for. "
             "Use the Base sampler for other step counts, or pass custom sigmas."
         )
-    return torch.tensor(TURBO_SIGMAS + (0.0,), dtype=_F32)
+    return torch.tensor(TURBO_SIGMAS + (0.0,), dtype=SIGMA_DTYPE)
 
 
 def custom_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,7 @@ def custom_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
         raise ValueError(f"Custom sigmas must be numbers; got {values!r}.") from err
     if not given:
         raise ValueError("Custom sigmas are empty; give at least one value in (0, 1].")
-    sig = torch.tensor(given, dtype=_F32)
+    sig = torch.tensor(given, dtype=SIGMA_DTYPE)
     for i, (g, v) in enumerate(zip(given, sig.tolist())):
         if not math.isfinite(g):
             raise ValueError(f"Custom sigma {i} is {g}; every sigma must be finite.")
@@ -115,7 +116,7 @@ def custom_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
                 + (" (equal in fp32)." if g < given[i - 1] else ".")
             )
     if sig[-1].item() != 0.0:
-        sig = torch.cat([sig, torch.zeros(1, dtype=_F32)])
+        sig = torch.cat([sig, torch.zeros(1, dtype=SIGMA_DTYPE)])
     return sig
 
 
@@ -123,7 +124,7 @@ def literal_sigmas(values, name: str = "sigmas") -> torch.Tensor:
     """Sigmas used exactly as given (ComfyUI's SIGMAS), fp32 `(n,)`: at least two values (one step), all finite,
     in [0, 1] and strictly decreasing. Unlike `custom_sigmas` nothing is appended: a schedule that ends above 0
     stops there (the first half of a split schedule)."""
-    sig = torch.as_tensor(values).detach().to("cpu", _F32).flatten()
+    sig = torch.as_tensor(values).detach().to("cpu", SIGMA_DTYPE).flatten()
     if sig.numel() < 2:
         raise ValueError(f"{name} holds {sig.numel()} value(s); a schedule needs at least two (one step).")
     if not torch.isfinite(sig).all():
@@ -146,7 +147,7 @@ def transformer_timestep(sigma: float | torch.Tensor, dtype: torch.dtype, num_tr
     then divided by 1000 in that dtype. For bf16 that rounds twice (e.g. sigma 0.986964 -> T 988 -> 0.988281);
     for fp32 it returns sigma up to one fp32 rounding. Runs on `sigma`'s device, as the reference op does.
     """
-    t = torch.as_tensor(sigma, dtype=_F32) * num_train_timesteps
+    t = torch.as_tensor(sigma, dtype=SIGMA_DTYPE) * num_train_timesteps
     return t.to(dtype) / num_train_timesteps
 
 
@@ -158,10 +159,10 @@ def euler_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next) -> torch.Ten
     `dt * v` takes `v`'s dtype, because a 0-d fp32 `dt` does not promote a bf16 tensor. The sigmas are put on
     `x`'s device as fp32 0-d tensors, so the device-specific kernels are the reference's too.
     """
-    sigma = torch.as_tensor(sigma, dtype=_F32, device=x.device)
-    sigma_next = torch.as_tensor(sigma_next, dtype=_F32, device=x.device)
+    sigma = torch.as_tensor(sigma, dtype=SIGMA_DTYPE, device=x.device)
+    sigma_next = torch.as_tensor(sigma_next, dtype=SIGMA_DTYPE, device=x.device)
     dt = sigma_next - sigma
-    return (x.to(_F32) + dt * v).to(x.dtype)
+    return (x.to(SIGMA_DTYPE) + dt * v).to(x.dtype)
 
 
 def _check_steps(steps) -> None:

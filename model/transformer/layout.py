@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..latents import LATENT_TOKENS_PER_SLOT
+from ..vae.latents import LATENT_TOKENS_PER_SLOT
 
 
 def _grid_ids(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,17 @@ tensors. A prompt that starts like another (CFG's negative after the same refere
 a kept prompt's references) reads the other's tensor for the shared leading run and owns only the rows after it,
 which the prefill computes as a chunk (`plan` says which, `allocate` makes the chunks). Shared tensors are
 counted and held once; a part is a row range of a tensor, so a run can start from the first rows of another.
+
+With a quantized `storage` (cache_storage.py: int8 / int4) the payload tensors are uint8 `(layers, 2, rows,
+row_bytes)`: each layer's keys and values are quantized once when the prefill writes them, and dequantized into the
+compute dtype when a step reads them. The prefill itself then attends over the dequantized rows too (`store` puts
+them back into its buffer), so every step, a kept cache's reuse and a chunk after shared rows all read the same
+numbers: a quantized run equals itself whether its rows were computed now, kept or shared.
 """
 
 import torch
+
+from .cache_storage import QuantizedRows
 
 
 def _truncate(parts, rows: int) -> list:
@@ -43,6 +51,8 @@ class PrefixKVCache:
 
     #: Whether prefixes may read rows of other prefixes' tensors (a host-side cache streams whole prefixes).
     shares_rows = True
+    #: How rows are stored: None (the compute dtype) or a `QuantizedRows`; set before the prefill allocates.
+    storage: QuantizedRows | None = None
 
     def __init__(self):
         self.kv: list[torch.Tensor] | None = None  # the distinct payload tensors this cache holds
@@ -50,6 +60,8 @@ class PrefixKVCache:
         self.parts: tuple = ()
         self.computed: tuple[tuple[int, int, int], ...] = ()  # (group, first row, end) the prefill computes
         self.runs: tuple = ()  # per prefix its `PrefixRuns` (set by whoever plans reuse; the kept store reads it)
+        self.compute_dtype: torch.dtype | None = None  # what reads return (the dtype the prefill computed in)
+        self._head_shape = None
         self._plan = None
 
     # -- planned reuse ----------------------------------------------------------------------------------------
@@ -75,6 +87,25 @@ class PrefixKVCache:
         return sum(p - (b[2] if b else 0) for p, b in zip(lens, bases))
 
     # -- filled by the model ------------------------------------------------------------------------------
+    @property
+    def storage_name(self) -> str:
+        """"default" or the quantized storage's name (the report's `cache_dtype`, part of the store key)."""
+        return "default" if self.storage is None else self.storage.name
+
+    def row_shape(self, heads: int, head_dim: int) -> tuple[int, ...]:
+        """The trailing shape of a payload tensor: `(heads, head_dim)`, or `(row_bytes,)` when quantized."""
+        if self.storage is None:
+            return (heads, head_dim)
+        self.storage.check_width(heads * head_dim)
+        return (self.storage.row_bytes(heads * head_dim),)
+
+    def payload_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.storage is None else torch.uint8
+
+    def new_payload(self, layers: int, rows: int, heads: int, head_dim: int, dtype, device, **kwargs) -> torch.Tensor:
+        return torch.empty(layers, 2, rows, *self.row_shape(heads, head_dim), dtype=self.payload_dtype(dtype),
+                           device=device, **kwargs)
+
     def allocate(self, prefix_lens, layers: int, heads: int, head_dim: int, dtype, device) -> None:
         """Make the tensors the prefill fills: one per prefix, or with a `plan` one per prefix for its rows after
         the reused leading run (none when nothing is left to compute)."""
@@ -96,20 +127,22 @@ class PrefixKVCache:
             else:
                 chain = _truncate(parts[base[1]], reused)
             if reused < length:
-                tensor = torch.empty(layers, 2, length - reused, heads, head_dim, dtype=dtype, device=device)
+                tensor = self.new_payload(layers, length - reused, heads, head_dim, dtype, device)
                 chain.append((tensor, 0, length - reused))
                 computed.append((g, reused, length))
             parts.append(tuple(chain))
             for tensor, _, _ in chain:
                 if not any(tensor is t for t in tensors):
                     tensors.append(tensor)
+        row_shape, stored = self.row_shape(heads, head_dim), self.payload_dtype(dtype)
         for tensor in tensors:
             shape = tuple(tensor.shape)
-            if (shape[0], shape[1], shape[3], shape[4]) != (layers, 2, heads, head_dim) or tensor.device != \
-                    torch.device(device) or tensor.dtype != dtype:
+            if (shape[:2], shape[3:]) != ((layers, 2), row_shape) or tensor.device != torch.device(device) or \
+                    tensor.dtype != stored:
                 raise ValueError(f"a reused prefix part is {shape} {tensor.dtype} on {tensor.device}; this model "
-                                 f"needs ({layers}, 2, rows, {heads}, {head_dim}) {dtype} on {device}.")
+                                 f"needs ({layers}, 2, rows, {', '.join(map(str, row_shape))}) {stored} on {device}.")
         self.kv, self.parts, self.computed = tensors, tuple(parts), tuple(computed)
+        self.compute_dtype, self._head_shape = dtype, (heads, head_dim)
 
     def layer_kv(self, layer: int) -> "LayerKV":
         """This cache as one block sees it: its own layer's keys and values."""
@@ -120,6 +153,13 @@ class PrefixKVCache:
         if not any(g == group for g, _, _ in self.computed):
             raise ValueError(f"prefix {group} computes no rows in this prefill (all of them are reused).")
         return self.parts[group][-1]
+
+    def decoded(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored rows `(n, row_bytes)` of keys and values as `(n, heads, head_dim)` in the compute dtype."""
+        shape = self._head_shape
+        width = shape[0] * shape[1]
+        return tuple(self.storage.decode(rows, width, self.compute_dtype).view(rows.shape[0], *shape)
+                     for rows in (key, value))
 
     # -- lifetime -----------------------------------------------------------------------------------------
     @property
@@ -169,10 +209,10 @@ class PrefixKVCache:
                 f"has {list(expected)}: it was filled for another prompt or reference set."
             )
         shape = tuple(self.kv[0].shape)
-        if (shape[0], shape[3], shape[4]) != (layers, heads, head_dim):
+        if (shape[0], shape[3:]) != (layers, self.row_shape(heads, head_dim)):
             raise ValueError(
-                f"the prefix cache was filled by a model with {shape[0]} layers of {shape[3]}x{shape[4]} heads, "
-                f"this one has {layers} layers of {heads}x{head_dim}."
+                f"the prefix cache was filled by a model with {shape[0]} layers of rows {shape[3:]}, this one has "
+                f"{layers} layers of {heads}x{head_dim} heads ({self.storage_name} storage)."
             )
 
 
@@ -189,15 +229,23 @@ class LayerKV:
         those after its reused leading run) into the cache's own storage."""
         tensor, start, end = self.cache.own_part(group)
         entry = tensor[self.layer]
-        entry[0, start:end].copy_(key)
-        entry[1, start:end].copy_(value)
+        storage = self.cache.storage
+        if storage is None:
+            entry[0, start:end].copy_(key)
+            entry[1, start:end].copy_(value)
+            return
+        for index, rows in enumerate((key, value)):  # quantized once; the prefill reads back what is stored
+            stored = entry[index, start:end]
+            storage.encode(rows.reshape(rows.shape[0], -1), stored)
+            rows.copy_(storage.decode(stored, rows[0].numel(), rows.dtype).view(rows.shape))
 
     def read_parts(self, group: int, rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Prefix `group`'s keys and values as views `[(k, v), ...]` in row order (its first `rows` rows if given)."""
         chain = self.cache.parts[group]
         if rows is not None:
             chain = _truncate(chain, rows)
-        return [(t[self.layer, 0, s:e], t[self.layer, 1, s:e]) for t, s, e in chain]
+        parts = [(t[self.layer, 0, s:e], t[self.layer, 1, s:e]) for t, s, e in chain]
+        return parts if self.cache.storage is None else [self.cache.decoded(k, v) for k, v in parts]
 
     def read(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix `group`'s keys and values `(P, heads, head_dim)` for this layer (a copy only when it is made of

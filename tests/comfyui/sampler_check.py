@@ -75,9 +75,9 @@ def main(comfyui: str, oracle_site: str) -> None:
     import torch
 
     from dit_fixtures import tiny_pair
-    from qi21.model.latents import latent_tokens
     from qi21.model.sampling.loop import initial_noise, sample
     from qi21.model.sampling.schedule import base_sigmas, schedule_mu, turbo_sigmas
+    from qi21.model.vae.latents import latent_tokens
     from qi21.nodes import bridge
     from qi21.nodes.comfy_sampling import sampler_runner
     from test_sampling import TWO_REFS, conditioning

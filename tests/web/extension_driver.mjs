@@ -223,7 +223,8 @@ async function main() {
     await load(app);
     out.extensions = app.extensions.map((e) => ({ name: e.name, hooks: Object.keys(e).filter((k) => typeof e[k] === "function") }));
     const ext = app.extensions[0];
-    const C = await registerTypes(ext, ["QI21Sampler", "QI21TurboSampler", "QI21TextEncode", "QI21Reference", "LoadImage", "VAEDecode", "Reroute"]);
+    const C = await registerTypes(ext, ["QI21Sampler", "QI21TurboSampler", "QI21TextEncode", "QI21Reference", "LoadImage", "VAEDecode", "Reroute",
+      "QI21CacheOptions", "QI21LoraLoader"]);
     const make = async (name, spec) => {
       const node = new C[name](spec);
       await ext.nodeCreated?.(node, app);
@@ -285,6 +286,26 @@ async function main() {
     edited.value = "typed by hand";
     edited.callback("typed by hand");
     out.afterHandEdit = edited.value;
+    // the Prefix Cache node up the model chain (through a LoRA node): its dtype sets the bytes, device off the cache
+    const options = await make("QI21CacheOptions", { inputs: ["model", "device", "dtype"],
+      widgets: [["combo", "device", "auto", { values: ["auto", "gpu", "cpu", "off"] }],
+        ["combo", "dtype", "default", { values: ["default", "int8", "int4"] }]] });
+    const lora = await make("QI21LoraLoader", { inputs: ["model", "lora_name", "strength"] });
+    graph.connect(options, lora, "model");
+    graph.connect(lora, sampler, "model");
+    widget(options, "dtype").value = "int8";
+    poll();
+    out.int8 = estimate();
+    out.int8Tooltip = widget(sampler, "qi21_prefix_estimate").tooltip ?? null;
+    widget(options, "dtype").value = "int4";
+    poll();
+    out.int4 = estimate();
+    widget(options, "device").value = "off";
+    poll();
+    out.optionsOff = estimate();
+    options.mode = 4; // bypassed: the model passes through unchanged
+    poll();
+    out.optionsBypassed = estimate();
 
     const preset = widget(sampler, "qi21_aspect_preset");
     const width = widget(sampler, "width");

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .latents import RELEASED_LATENT_FORMAT, LatentFormat
-from .transformer.layout import SequenceLayout, build_layout
+from ..transformer.layout import SequenceLayout, build_layout
+from ..vae.latents import RELEASED_LATENT_FORMAT, LatentFormat
 
 
 def _tensor_digest(hasher, tensor: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .latents import LATENT_TOKEN_PIXELS, VLM_TOKEN_PIXELS
+from ..vae.latents import LATENT_TOKEN_PIXELS, VLM_TOKEN_PIXELS
 
 #: The vision processor's `size.shortest_edge` / `size.longest_edge`: min / max pixels (docs/checkpoints.md).
 MIN_VLM_PIXELS = 65536

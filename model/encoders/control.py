@@ -13,8 +13,8 @@ Only the first image of each batch is used; images are cut to RGB (the VAE gets 
 import torch
 import torch.nn.functional as F
 
-from .latents import LATENT_TOKEN_PIXELS
-from .vae import QwenImage21VAE
+from ..vae.autoencoder import QwenImage21VAE
+from ..vae.latents import LATENT_TOKEN_PIXELS
 
 CONTROL_CHANNELS = 64
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..vae.autoencoder import QwenImage21VAE
+from ..vae.latents import RELEASED_LATENT_FORMAT, LatentFormat
 from .conditioning import Conditioning
-from .latents import RELEASED_LATENT_FORMAT, LatentFormat
 from .references import PreparedReference
 from .text_encoder import QwenImageTextEncoder
-from .vae import QwenImage21VAE
 
 MAX_REFERENCES = 10  # the released model's limit (`<image1>`..`<image10>`)
 
