@@ -92,6 +92,7 @@ def _run(graph, i: int, keep: bool = True) -> dict:
 
 
 def test_the_ceiling_from_the_settings_file_bounds_the_samplers_store_and_the_report_says_so(graph, user_root):
+    start = KEPT_CACHES.evictions  # a counter since start-up: earlier tests may have evicted
     first = _run(graph, 0)
     size = first["cache_bytes"]
     assert first["kept_bytes"] == size and "kept_evictions" not in first  # no ceiling yet
@@ -108,13 +109,13 @@ def test_the_ceiling_from_the_settings_file_bounds_the_samplers_store_and_the_re
     assert bridge.KEPT_CACHE_BUDGET_SETTING in note
     again = _run(graph, 0)  # prompt 0 went; keeping it again evicts prompt 1, now the least recently used
     assert again["cache"] == "miss" and again["kept_evictions"] == 1 and _run(graph, 1)["cache"] == "miss"
-    assert KEPT_CACHES.evictions == 3 and KEPT_CACHES.peak_bytes == 3 * size
+    assert KEPT_CACHES.evictions - start == 3 and KEPT_CACHES.peak_bytes >= 3 * size  # a counter since start-up
     assert KEPT_CACHES.kept_bytes() <= ceiling
     plain = _run(graph, 2, keep=False)  # keep_cache off: no store keys, the store left alone
-    assert "kept_bytes" not in plain and "kept_evictions" not in plain and KEPT_CACHES.evictions == 3
+    assert "kept_bytes" not in plain and "kept_evictions" not in plain and KEPT_CACHES.evictions - start == 3
     _write_settings(user_root, {})  # the setting cleared: no ceiling again (the plan's free memory only)
     _run(graph, 2)  # holds 0, 1 and 2 again
-    assert KEPT_CACHES.budget_bytes is None and len(KEPT_CACHES) == 3 and KEPT_CACHES.evictions == 3
+    assert KEPT_CACHES.budget_bytes is None and len(KEPT_CACHES) == 3 and KEPT_CACHES.evictions - start == 3
 
 
 def test_a_broken_settings_file_is_said_and_the_run_goes_on(graph, user_root, caplog):
