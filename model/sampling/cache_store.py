@@ -242,8 +242,7 @@ class PrefixCacheStore:
         """A consistent, read-only view for observability (taken under the store's lock, so it may be read while a
         run samples): each kept entry (most recently used last) with its `prefix_key`, rows, bytes (a tensor
         shared by two entries is in both), device, dtype, age in seconds and hits, LoRAs, and whether it is a Fun
-        ControlNet's controlled prefix; `bytes` (each tensor once), `limit_bytes`, and `evictions` where the store
-        counts them."""
+        ControlNet's controlled prefix; `bytes` (each tensor once), `limit_bytes`, and `evictions`."""
         now = time.monotonic()
         with self._lock:
             entries = []
@@ -262,7 +261,7 @@ class PrefixCacheStore:
                     "controlled": len(key) > 3,
                 })
             return {"entries": entries, "bytes": _unique_bytes(c for _, c in self._entries.values()),
-                    "limit_bytes": self.limit_bytes, "evictions": int(getattr(self, "evictions", 0))}
+                    "limit_bytes": self.limit_bytes, "evictions": self.evictions}
 
     def clear(self) -> None:
         with self._lock:
