@@ -12,6 +12,7 @@ target attention's K/V concatenation off the CPU and a fixed allowance for works
 run that fits no plan through it (`planner.PlanError`).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -130,12 +131,17 @@ class VAEShape:
 
     @classmethod
     def released(cls, itemsize: int = 2) -> "VAEShape":
-        """The released VAE (its parameters counted on the meta device) in a `itemsize`-byte dtype."""
-        from ..vae.autoencoder import QwenImage21VAE
+        """The released VAE (its parameters counted on the meta device once) in a `itemsize`-byte dtype."""
+        return cls(_released_vae_parameters() * itemsize, QwenImage21VAEConfig(), itemsize)
 
-        with torch.device("meta"):
-            vae = QwenImage21VAE()
-        return cls(sum(p.numel() for p in vae.parameters()) * itemsize, vae.config, itemsize)
+
+@functools.cache
+def _released_vae_parameters() -> int:
+    # every sampler run plans with it: built once, not once per run (a meta VAE is ~10 ms of module construction)
+    from ..vae.autoencoder import QwenImage21VAE
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in QwenImage21VAE().parameters())
 
 
 

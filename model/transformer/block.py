@@ -41,9 +41,9 @@ class DiTConfig:
 
 
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm of q/k: variance in fp32, weight used as stored (the reference's plain RMSNorm)."""
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
+    """Per-head RMSNorm of q/k in fp32, weight used as stored (the reference's plain RMSNorm). `F.rms_norm` is one
+    kernel where the reference's `x * rsqrt(mean(x^2) + eps)` is four, with the same fp32 values."""
+    x = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     if weight.dtype in (torch.float16, torch.bfloat16):
         x = x.to(weight.dtype)
     return x * weight
@@ -99,22 +99,31 @@ class Rows:
         return replace(self, prefix_spans=(), rope=self.rope[self.target_start :], prefix_attention=None,
                        chunk_groups=(), whole=())
 
-    def modulate(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """`x * (1 + scale)` with each row's own modulation row (prefix g: its row; sample b's targets: row b)."""
+    def modulate(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        """`x * factor` (`factor` = 1 + scale) with each row's own modulation row (prefix g: its row; sample b's
+        targets: row b)."""
         out = torch.empty_like(x)
         for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
-            torch.mul(x[start:end], 1 + scale[row], out=out[start:end])
+            torch.mul(x[start:end], factor[row], out=out[start:end])
         target = x[self.target_start :].view(self.samples, self.target_len, -1)
-        torch.mul(target, 1 + scale[: self.samples, None], out=out[self.target_start :].view_as(target))
+        torch.mul(target, factor[: self.samples, None], out=out[self.target_start :].view_as(target))
         return out
 
     def gated_add(self, x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> None:
-        """`x += tanh(gate) * update`, in place, with the same row selection as `modulate`."""
-        gate = gate.tanh()
+        """`x += gate * update` (`gate` = tanh of the table's gate), in place, with `modulate`'s row selection."""
         for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
             x[start:end] += gate[row] * update[start:end]
         target = x[self.target_start :].view(self.samples, self.target_len, -1)
         target += gate[: self.samples, None] * update[self.target_start :].view_as(target)
+
+
+def block_modulation(table: torch.Tensor) -> torch.Tensor:
+    """The modulation table `(B + 1, 4 * width)` `[scale1 | gate1 | scale2 | gate2]` as the blocks apply it,
+    `[1 + scale1 | tanh(gate1) | 1 + scale2 | tanh(gate2)]`. Every block reads the same table, so this runs once per
+    forward instead of four small kernels in each of the 32 blocks (the same values: the same ops on the same
+    inputs)."""
+    scale1, gate1, scale2, gate2 = table.chunk(4, dim=-1)
+    return torch.cat([1 + scale1, gate1.tanh(), 1 + scale2, gate2.tanh()], dim=-1)
 
 
 class Block(nn.Module):
@@ -164,7 +173,8 @@ class Block(nn.Module):
         """One block over the row buffer `x` `(rows, width)`.
 
         Args:
-            mods: `(B + 1, 4 * width)` modulation rows `[scale1 | gate1 | scale2 | gate2]`.
+            mods: `(B + 1, 4 * width)` modulation rows as applied, `[1 + scale1 | tanh(gate1) | 1 + scale2 |
+                tanh(gate2)]` (`block_modulation`; the DiT's `prepare` makes them once for every block).
             rows: the buffer's `Rows`.
             kv: this layer's view of the prefix cache: filled in a prefill, read in a cached step.
             drop_prefix: return the target rows only (the last block: nothing reads the prefix rows' outputs,
@@ -173,11 +183,11 @@ class Block(nn.Module):
             the updated buffer, `(rows, width)`, or the target rows only with `drop_prefix`.
         """
         heads, head_dim = self.num_heads, self.head_dim
-        scale1, gate1, scale2, gate2 = mods.chunk(4, dim=-1)
+        factor1, gate1, factor2, gate2 = mods.chunk(4, dim=-1)
         if rows.mode != "uncached" and kv is None:
             raise ValueError(f"a {rows.mode} step needs this layer's prefix cache (kv).")
 
-        q, k, v = self.qkv_heads(rows.modulate(layer_norm(x, self.eps), scale1), rows.rope)
+        q, k, v = self.qkv_heads(rows.modulate(layer_norm(x, self.eps), factor1), rows.rope)
         t0 = rows.target_start
         first_out = t0 if drop_prefix else 0
         attn = torch.empty(x.shape[0] - first_out, heads, head_dim, dtype=v.dtype, device=v.device)
@@ -209,7 +219,7 @@ class Block(nn.Module):
         if drop_prefix:
             x, rows = x[t0:], rows.targets_only()
         rows.gated_add(x, gate1, self.to_out(attn.flatten(1)))
-        rows.gated_add(x, gate2, self.mlp(rows.modulate(layer_norm(x, self.eps), scale2)))
+        rows.gated_add(x, gate2, self.mlp(rows.modulate(layer_norm(x, self.eps), factor2)))
         if x.dtype == torch.float16:
             x = x.clamp_(-65504, 65504)
         return x

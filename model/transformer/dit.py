@@ -35,7 +35,7 @@ from .attention import (
     prefix_attention_flex,
     prefix_attention_sdpa,
 )
-from .block import Block, DiTConfig, Rows, layer_norm
+from .block import Block, DiTConfig, Rows, block_modulation, layer_norm
 from .layout import SequenceLayout
 from .prefix_cache import PrefixKVCache
 from .rope import rope_angles
@@ -189,9 +189,9 @@ class QwenImage21DiT(nn.Module):
         """Everything before the first block: `(x, mods, final_scale, rows)`.
 
         `x` is the row buffer `(rows, width)`, `mods` the modulation rows `(B + 1, 4 * width)` every block
-        reads, `final_scale` the output head's `(B + 1, width)`, `rows` the buffer's `Rows`. A prefill
-        allocates `cache` (with `extra_cache_layers` after the blocks' own: a control stream's); a cached step
-        checks it was filled for these prefixes and layers.
+        reads (`block.block_modulation`), `final_scale` the output head's `(B + 1, width)`, `rows` the buffer's
+        `Rows`. A prefill allocates `cache` (with `extra_cache_layers` after the blocks' own: a control stream's);
+        a cached step checks it was filled for these prefixes and layers.
         """
         config = self.config
         self._check_mode(mode, cache)
@@ -215,7 +215,7 @@ class QwenImage21DiT(nn.Module):
                 raise ValueError("without causal_condition every sample needs its own prefix (prefix b for sample b).")
             prefix_mod_rows = tuple(range(len(prefixes)))
         temb_act = F.silu(self.time_embed(t, dtype))
-        mods = self.modulation(temb_act)  # (B + 1, 4 * width)
+        mods = block_modulation(self.modulation(temb_act))  # (B + 1, 4 * width), as every block applies it
         final_scale = self.norm_out(temb_act)
 
         prefix_lens = tuple(p.layout.prefix_len for p in prefixes)
