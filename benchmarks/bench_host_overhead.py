@@ -5,8 +5,8 @@ approaches the device's 100-150 ms stalls it. That cost does not shrink with the
 width where the arithmetic is negligible: all 32 blocks, heads of 128 (one head, so RoPE's 16/56/56 axes hold), a
 16-token target and a 21-token prefix, fp32 on the CPU, one thread. Printed, for ours and diffusers' transformer on
 the same weights, interleaved, medians of `--repeats`:
-- kernels per cached step: aten ops that compute (views, reshapes and other metadata-only ops left out), counted by a
-  dispatch mode, and per block;
+- kernels per cached step: aten ops that launch a kernel (views, reshapes, other metadata-only ops and allocations
+  left out), counted by a dispatch mode, and per block;
 - host ms per cached step (the whole forward at this width is host work).
 
     python benchmarks/bench_host_overhead.py [--repeats 30]
@@ -28,16 +28,16 @@ from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 LAYERS = 32
 GRID = (4, 4)  # target and reference latent tokens
-#: aten ops that only make a new view of the same memory (no kernel on a GPU)
-METADATA_OPS = {"view", "_unsafe_view", "reshape", "slice", "select", "unsqueeze", "squeeze", "transpose", "permute",
-                "expand", "t", "alias", "as_strided", "unflatten", "flatten", "chunk", "split", "unbind", "view_as",
-                "view_as_real", "view_as_complex", "detach", "narrow", "contiguous", "_reshape_alias", "to",
-                "lift_fresh"}
+#: aten ops that launch no kernel on a GPU: new views of the same memory, and allocations (the caching allocator's)
+NOT_KERNELS = {"view", "_unsafe_view", "reshape", "slice", "select", "unsqueeze", "squeeze", "transpose", "permute",
+               "expand", "t", "alias", "as_strided", "unflatten", "flatten", "chunk", "split", "unbind", "view_as",
+               "view_as_real", "view_as_complex", "detach", "narrow", "contiguous", "_reshape_alias", "to",
+               "lift_fresh", "empty", "empty_like", "new_empty", "empty_strided"}
 
 
 class KernelCount(TorchDispatchMode):
-    """Counts the aten ops that compute (`METADATA_OPS` left out; `to` only counts when it really converts, which the
-    dispatcher shows as `_to_copy`)."""
+    """Counts the aten ops that launch a kernel (`NOT_KERNELS` left out; `to` only counts when it really converts,
+    which the dispatcher shows as `_to_copy`)."""
 
     def __init__(self):
         super().__init__()
@@ -45,7 +45,7 @@ class KernelCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name not in METADATA_OPS:
+        if name not in NOT_KERNELS:
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 

@@ -12,7 +12,9 @@ On a GPU (bf16, the released width, 1024x1024 targets, references of 1024x1024) 
   `torch.cuda.max_memory_allocated` around each;
 - `cache`: the host-side prefix cache against the device one (same latents? seconds per step);
 - `e2e`: whole images, 40-step Base and 8-step Turbo, sampling and VAE decode (random weights, text states given:
-  the text encoder is not run).
+  the text encoder is not run);
+- `host`: per cached step (1 reference), ours and diffusers': the kernels it launches, the host's time to issue them
+  and the step's time; an issue time near the step time means the host, not the GPU, sets the pace.
 Each section has a time budget it is sized for (`BUDGET_S`); one that fails is reported with its error and the run goes
 on, so one call gives every result. `--sections` picks some; `--json` also writes the rows.
 
@@ -47,9 +49,9 @@ from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.model.vae.autoencoder import QwenImage21VAE, QwenImage21VAEConfig
 from qi21.model.vae.latents import RELEASED_LATENT_FORMAT
 
-SECTIONS = ("streaming", "bf16", "formats", "planner", "cache", "e2e")
+SECTIONS = ("streaming", "bf16", "formats", "planner", "cache", "e2e", "host")
 #: seconds each section is sized for on an H200 (the whole run: about 8 minutes)
-BUDGET_S = {"streaming": 90, "bf16": 60, "formats": 150, "planner": 30, "cache": 30, "e2e": 60}
+BUDGET_S = {"streaming": 90, "bf16": 60, "formats": 150, "planner": 30, "cache": 30, "e2e": 60, "host": 20}
 TEXT_TOKENS = 75
 #: the dry run's model: two blocks, heads of 128 (RoPE's 16/56/56), inputs a multiple of 256 (ConvRot, Q4_K)
 DRY_DIT = DiTConfig(num_layers=2, num_heads=2, head_dim=128, context_in_dim=256, mlp_ratio=3)
@@ -338,8 +340,39 @@ def section_e2e(check: Check) -> list[dict]:
     return rows
 
 
+def section_host(check: Check) -> list[dict]:
+    from bench_host_overhead import KernelCount
+
+    reference, ours = check.pair()
+    _, prefix, target, kwargs = check.case(1)
+    rows = []
+    with torch.inference_mode():
+        our_prefill, our_step, their_prefill, their_step = dit_calls(check, reference, ours, prefix, target, kwargs)
+        our_prefill()
+        their_prefill()
+        for side, step in (("ours", our_step), ("diffusers", their_step)):
+            step()
+            with KernelCount() as count:
+                step()
+            issued = []
+            for _ in range(check.repeats):
+                check.sync()
+                start = time.perf_counter()
+                step()  # no sync: the time the host takes to issue the step (all of it on a CPU)
+                issued.append((time.perf_counter() - start) * 1e3)
+            check.sync()
+            kernels = sum(count.ops.values())
+            rows.append({"side": side, "kernels": kernels, "kernels_per_block": kernels / ours.config.num_layers,
+                         "issue_ms": statistics.median(issued), "step_ms": check.median_ms(step)})
+    table(f"host: what a cached step asks of the host ({ours.config.num_layers} blocks, 1 reference)",
+          ["side", "kernels per step", "per block", "host ms to issue", "ms per step", "issue / step"],
+          [[r["side"], r["kernels"], f"{r['kernels_per_block']:.1f}", f"{r['issue_ms']:.1f}", f"{r['step_ms']:.1f}",
+            f"{r['issue_ms'] / r['step_ms']:.2f}"] for r in rows])
+    return rows
+
+
 RUNNERS = {"streaming": section_streaming, "bf16": section_bf16, "formats": section_formats,
-           "planner": section_planner, "cache": section_cache, "e2e": section_e2e}
+           "planner": section_planner, "cache": section_cache, "e2e": section_e2e, "host": section_host}
 
 
 def main(argv=None) -> dict:

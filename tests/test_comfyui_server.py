@@ -324,9 +324,12 @@ def check_report(report: dict, sampler: dict) -> None:
     assert REPORT_KEYS <= set(report), f"qi21_report lacks {REPORT_KEYS - set(report)}: {report}"
     # notes when there are any; loras with a LoRA; sampler and model_calls with a SAMPLER connected; the plan; what
     # a kept or shared prefix saved; control with a Fun ControlNet
+    # a kept cache: what the store holds, its ceiling, what it evicted
     optional = {"notes", "loras", "plan", "peak_bytes", "sampler", "model_calls", "prefix_rows_reused",
-                "prefix_rows_computed", "prefix_key", "control", "cache_dtype"}
-    assert set(report) <= REPORT_KEYS | optional, f"unexpected qi21_report keys: {set(report) - REPORT_KEYS}"
+                "prefix_rows_computed", "prefix_key", "control", "cache_dtype", "kept_bytes", "kept_limit_bytes",
+                "kept_evictions"}
+    unexpected = set(report) - REPORT_KEYS - optional
+    assert not unexpected, f"unexpected qi21_report keys: {unexpected}"
     assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
     if "control" in report:  # the control stream keeps the cache on: its own prefix K/V sit beside the base's
         control = report["control"]

@@ -40,6 +40,9 @@ def test_the_dry_run_reaches_every_path_and_every_path_matches(gpu_check, capsys
     assert [r["phase"] for r in results["planner"]["rows"]] == ["prefill", "cached", "decode"]
     assert [r["run"] for r in results["e2e"]["rows"]] == ["Base, 40 steps", "Turbo, 8 steps"]
     assert all(r["finite"] for r in results["e2e"]["rows"])
+    host = {r["side"]: r for r in results["host"]["rows"]}
+    assert set(host) == {"ours", "diffusers"} and host["ours"]["kernels"] < host["diffusers"]["kernels"]
+    assert "host ms to issue" in out
     for name in ("int8_convrot", "fp8", "w4a8", "Q8_0", "Q4_K", "LoRA", "host", "streamed 0/4", "n/a (CPU)"):
         assert name in out, name
 

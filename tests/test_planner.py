@@ -117,6 +117,19 @@ def test_the_store_budget_comes_from_what_is_free():
     assert small.store_budget == Budget.gpu(24 * GIB).device - small.sampling_peak
 
 
+def test_a_host_cache_on_a_cpu_leaves_the_kept_store_what_is_free():
+    """On unified memory (a CPU, where the host figure is None) a host cache (the Prefix Cache node's device cpu) sits
+    in the same memory as the run: the kept store gets what the run leaves free, not just this run's own cache bytes
+    (which evicted every other kept cache: found through /prompt in tests/test_comfyui_server.py)."""
+    run = RunShape.released(1024, references=1)
+    budget = Budget(64 * GIB, where="cpu", unified=True)
+    host = plan_run(BF16, FULL, run, budget, 2, cache_choice="cpu")
+    device = plan_run(BF16, FULL, run, budget, 2)
+    assert host.cache == "host" and device.cache == "device"
+    assert host.store_budget == budget.device - host.sampling_peak - host.cache_bytes
+    assert host.store_budget == pytest.approx(device.store_budget, rel=0.01) and host.store_budget > 30 * GIB
+
+
 # -- refusals --------------------------------------------------------------------------------------------------------
 def test_a_budget_nothing_fits_names_the_least_memory_and_what_to_change():
     run = RunShape.released(2048, references=3, batch=4)

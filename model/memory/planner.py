@@ -321,12 +321,13 @@ def plan_run(weights: LayeredWeights, config: DiTConfig, run: RunShape, budget: 
     (copied, _, _), streamed, cache, phases, host = best
     decode = plan_decode(vae, run.batch, run.grid, budget, must_fit=False)
     phases = {**phases, "decode": decode.peak}
-    if cache == "host":
+    if cache == "host" and not budget.unified:
         store_budget = max(0, budget.host - host) if budget.host is not None else cache_bytes
     else:
-        # the run's own (new or taken) cache is part of its peak already: kept entries get only what is left
+        # the run's own (new or taken) cache is part of its peak already: kept entries get only what is left. On
+        # unified memory (a CPU) a host cache is in the same memory but not in the peak (only its slots are)
         sampling_peak = max(v for k, v in phases.items() if k != "decode")
-        store_budget = max(0, budget.device - sampling_peak)
+        store_budget = max(0, budget.device - sampling_peak - (cache_bytes if cache == "host" else 0))
     return Plan(streamed, n, cache, decode.label, phases, budget, store_budget, copied, host,
                 cache_bytes if cache != "off" else 0, run.cache_dtype)
 
