@@ -35,17 +35,18 @@ TARGET = (32, 32)  # latent tokens: 512x512 px
 REFERENCE = (32, 32)
 
 
-def build_models(layers: int):
+def build_models(layers: int, heads: int = 8, context_in_dim: int = 1024):
+    """(diffusers' transformer, ours, diffusers' KV cache class) on the same random weights: heads of 128, SwiGLU x3."""
     from diffusers import QwenImage21Transformer2DModel
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
     torch.manual_seed(0)
-    reference = QwenImage21Transformer2DModel(num_layers=layers, num_attention_heads=8, attention_head_dim=128,
-                                              context_in_dim=1024, mlp_ratio=3).eval()
+    reference = QwenImage21Transformer2DModel(num_layers=layers, num_attention_heads=heads, attention_head_dim=128,
+                                              context_in_dim=context_in_dim, mlp_ratio=3).eval()
     with torch.no_grad():
         for param in reference.parameters():
             param.normal_(0, 0.02)
-    config = DiTConfig(num_layers=layers, num_heads=8, head_dim=128, context_in_dim=1024, mlp_ratio=3)
+    config = DiTConfig(num_layers=layers, num_heads=heads, head_dim=128, context_in_dim=context_in_dim, mlp_ratio=3)
     ours = QwenImage21DiT(config)
     ours.load_state_dict(convert_state_dict(reference.state_dict()))
     return reference, ours.eval(), QwenImage21KVCache

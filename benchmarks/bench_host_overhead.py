@@ -21,9 +21,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
+from bench_dit import build_models
 from qi21.model.encoders.conditioning import Conditioning
-from qi21.model.loaders.dit_keys import convert_state_dict
-from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
+from qi21.model.transformer.dit import PrefixInputs
 from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 LAYERS = 32
@@ -51,18 +51,8 @@ class KernelCount(TorchDispatchMode):
 
 
 def build(layers: int = LAYERS):
-    from diffusers import QwenImage21Transformer2DModel
-    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-
-    torch.manual_seed(0)
-    reference = QwenImage21Transformer2DModel(num_layers=layers, num_attention_heads=1, attention_head_dim=128,
-                                              context_in_dim=64, mlp_ratio=3).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.normal_(0, 0.02)
-    ours = QwenImage21DiT(DiTConfig(num_layers=layers, num_heads=1, head_dim=128, context_in_dim=64, mlp_ratio=3))
-    ours.load_state_dict(convert_state_dict(reference.state_dict()))
-    ours.eval()
+    """{"ours": cached step, "diffusers": cached step}, both caches filled, on the same random weights."""
+    reference, ours, KVCache = build_models(layers, heads=1, context_in_dim=64)
 
     slots = torch.tensor([False] * 5 + [True] * (GRID[0] * GRID[1] // 4) + [False] * 5)
     text, ref_latents, target = torch.randn(1, len(slots), 64), torch.randn(1, 16, 64), torch.randn(1, 16, 64)
@@ -72,7 +62,7 @@ def build(layers: int = LAYERS):
                   img_shapes=[[(1, *GRID), (1, *GRID)]],
                   img_mask=torch.cat([slots, torch.ones(GRID[0] * GRID[1] // 4, dtype=torch.bool)])[None])
     t = torch.tensor([0.8])
-    cache, ref_cache = PrefixKVCache(), QwenImage21KVCache(layers)
+    cache, ref_cache = PrefixKVCache(), KVCache(layers)
     with torch.inference_mode():
         ours(target, t, [prefix], cache=cache, mode="prefill")
         reference(timestep=t, kv_cache=ref_cache, kv_cache_mode="extract", **kwargs)

@@ -8,7 +8,9 @@ repository, on `sys.path`). The helper modules beside this file (`*_fixtures.py`
 name.
 """
 
+import importlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,18 @@ def _import_pack():
 
 _import_pack()
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="module")
+def benchmark_script():
+    """`benchmark_script(name)` -> the module benchmarks/<name>.py, with benchmarks/ on `sys.path` for the test module
+    (the scripts import their siblings by name, as when run from benchmarks/)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield importlib.import_module
+    finally:
+        sys.path.remove(folder)
 
 
 @pytest.fixture(autouse=True)

@@ -10,18 +10,8 @@ pytest.importorskip("diffusers")
 
 
 @pytest.fixture(scope="module")
-def gpu_check():
-    import sys
-    from pathlib import Path
-
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    sys.path.insert(0, benchmarks)  # the script imports its siblings by name, as when run from benchmarks/
-    try:
-        import gpu_check
-
-        yield gpu_check
-    finally:
-        sys.path.remove(benchmarks)
+def gpu_check(benchmark_script):
+    return benchmark_script("gpu_check")
 
 
 def test_the_dry_run_reaches_every_path_and_every_path_matches(gpu_check, capsys):

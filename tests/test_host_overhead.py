@@ -2,8 +2,6 @@
 count per block is held where issue 33 left it, and below diffusers' for the same step. Counts, not times: exact on
 any machine."""
 
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,15 +13,8 @@ MAX_KERNELS_PER_BLOCK = 28
 
 
 @pytest.fixture(scope="module")
-def bench():
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    sys.path.insert(0, benchmarks)  # the script imports its siblings by name, as when run from benchmarks/
-    try:
-        import bench_host_overhead
-
-        yield bench_host_overhead
-    finally:
-        sys.path.remove(benchmarks)
+def bench(benchmark_script):
+    return benchmark_script("bench_host_overhead")
 
 
 def test_a_cached_step_launches_fewer_kernels_than_diffusers_and_no_more_than_before(bench):
