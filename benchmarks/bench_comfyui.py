@@ -14,8 +14,9 @@ Printed (medians of `--repeats`):
 - the 8-step loop: a Turbo-sampler prompt (its stored 8 sigmas) over diffusers' 8-step loop;
 - our uncached over cached step (the sampler's `prefix_cache` off) next to the FLOP count's prediction.
 
-`--profile FILE` also records the server with py-spy (`pip install py-spy`) over `--profile-prompts` 12-step
-prompts after the timed ones and prints where their time went: the DiT's blocks, the rest of the DiT call, the
+`--profile FILE` also records the server with py-spy (`pip install py-spy`) over `--profile-prompts` prompts of
+`--profile-steps` steps (default 3 of 12) after the timed ones (`--repeats 0`: the profile alone) and prints where
+their time went: the DiT's blocks, the rest of the DiT call, the
 sampling loop, the node, ComfyUI's executor, and the functions outside the blocks that took the most.
 
     QI21_COMFYUI=/path/to/ComfyUI python benchmarks/bench_comfyui.py [--comfyui PATH] [--python PATH]
