@@ -42,14 +42,14 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
-from bench_dit import flops
+from bench_dit import build_inputs, flops
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "comfyui"))
 import qi21_comfy_harness as harness  # noqa: E402
 from qi21.demo import tiny_checkpoints as tiny  # noqa: E402
 from qi21.model.loaders.dit_keys import convert_state_dict  # noqa: E402
-from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT  # noqa: E402
+from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT  # noqa: E402
 
 SIDE = 512  # target and reference, px: 32 x 32 = 1,024 latent tokens each
 GRID = SIDE // 16
@@ -156,22 +156,17 @@ class Prompts:
 
 def flop_prediction(weights: dict, config: DiTConfig, prefix_tokens: int) -> float:
     """Uncached over cached FLOPs of our DiT at these shapes (bench_dit.flops: GEMMs and attention)."""
-    from qi21.model.encoders.conditioning import Conditioning
     from qi21.model.transformer.prefix_cache import PrefixKVCache
 
     model = QwenImage21DiT(config).eval()
     model.load_state_dict(convert_state_dict(weights))
-    ref_tokens = GRID * GRID
-    text_tokens = prefix_tokens - ref_tokens
-    slots = torch.tensor([False] * 20 + [True] * (ref_tokens // 4) + [False] * (text_tokens - 20))
-    cond = Conditioning(text=torch.randn(len(slots), config.context_in_dim), image_slots=slots,
-                        references=torch.randn(ref_tokens, 64), ref_shapes=((GRID, GRID),))
-    prefix = [PrefixInputs(layout=cond.layout((GRID, GRID)), text=cond.text, references=cond.references)]
-    target, t, cache = torch.randn(1, ref_tokens, 64), torch.tensor([0.5]), PrefixKVCache()
+    prefix, target, _, _ = build_inputs(1, text_tokens=prefix_tokens - GRID * GRID,
+                                        context_dim=config.context_in_dim, grid=(GRID, GRID))
+    t, cache = torch.tensor([0.5]), PrefixKVCache()
     with torch.inference_mode():
-        model(target, t, prefix, cache=cache, mode="prefill")
-        return flops(lambda: model(target, t, prefix)) / flops(lambda: model(target, t, prefix, cache=cache,
-                                                                                mode="cached"))
+        model(target, t, [prefix], cache=cache, mode="prefill")
+        return flops(lambda: model(target, t, [prefix])) / flops(lambda: model(target, t, [prefix], cache=cache,
+                                                                                    mode="cached"))
 
 
 # -- profile ------------------------------------------------------------------------------------------------------
@@ -235,7 +230,7 @@ def print_table(times: dict, args, report: dict, predicted: float) -> None:
     measured = step["uncached"] / step["ours"]
     print(f"uncached / cached step: {measured:.2f} (FLOPs predict {predicted:.2f}; "
           f"{measured / predicted:.2f}x the prediction)")
-    print(f"the sampler's own report, last prompt: prefill {report['prefill_seconds']} s, "
+    print(f"the sampler's own report, first prompt: prefill {report['prefill_seconds']} s, "
           f"step {report['step_seconds']} s")
 
 

@@ -52,24 +52,27 @@ def build_models(layers: int, heads: int = 8, context_in_dim: int = 1024):
     return reference, ours.eval(), QwenImage21KVCache
 
 
-def build_inputs(references: int):
-    """Template-like prompt: 20 tokens, then each reference's slots, then the rest of the ~75 text tokens."""
-    slots = [False] * 20
+def build_inputs(references: int, text_tokens: int = TEXT_TOKENS, context_dim: int = 1024, grid=TARGET,
+                 lead: int = 20):
+    """Template-like prompt: `lead` text tokens, then each reference's slots and 3 more, then the rest of the
+    `text_tokens`; references and target of `grid` latent tokens. (our prefix, target, diffusers' keyword arguments,
+    conditioning)."""
+    slots = [False] * lead
     for _ in range(references):
-        slots += [True] * (REFERENCE[0] * REFERENCE[1] // 4) + [False] * 3
-    slots += [False] * (TEXT_TOKENS - slots.count(False))
+        slots += [True] * (grid[0] * grid[1] // 4) + [False] * 3
+    slots += [False] * (text_tokens - slots.count(False))
     slot_mask = torch.tensor(slots)
-    text = torch.randn(1, len(slots), 1024)
-    ref_latents = torch.randn(1, references * REFERENCE[0] * REFERENCE[1], 64)
-    target = torch.randn(1, TARGET[0] * TARGET[1], 64)
+    text = torch.randn(1, len(slots), context_dim)
+    ref_latents = torch.randn(1, references * grid[0] * grid[1], 64)
+    target = torch.randn(1, grid[0] * grid[1], 64)
     conditioning = Conditioning(text=text[0], image_slots=slot_mask, references=ref_latents[0] if references else None,
-                                ref_shapes=(REFERENCE,) * references)
-    prefix = PrefixInputs(layout=conditioning.layout(TARGET), text=text[0], references=conditioning.references)
+                                ref_shapes=(tuple(grid),) * references)
+    prefix = PrefixInputs(layout=conditioning.layout(grid), text=text[0], references=conditioning.references)
     reference_kwargs = dict(
         hidden_states=torch.cat([ref_latents, target], dim=1),
         encoder_hidden_states=text,
-        img_shapes=[[(1, *REFERENCE)] * references + [(1, *TARGET)]],
-        img_mask=torch.cat([slot_mask, torch.ones(TARGET[0] * TARGET[1] // 4, dtype=torch.bool)])[None],
+        img_shapes=[[(1, *grid)] * references + [(1, *grid)]],
+        img_mask=torch.cat([slot_mask, torch.ones(grid[0] * grid[1] // 4, dtype=torch.bool)])[None],
     )
     return prefix, target, reference_kwargs, conditioning
 

@@ -3,8 +3,8 @@
 On a GPU every kernel is a launch the host has to issue, and a step whose host work (Python, dispatch, launches)
 approaches the device's 100-150 ms stalls it. That cost does not shrink with the width, so it is measured here at a
 width where the arithmetic is negligible: all 32 blocks, heads of 128 (one head, so RoPE's 16/56/56 axes hold), a
-16-token target and a 21-token prefix, fp32 on the CPU, one thread. Printed, for ours and diffusers' transformer on
-the same weights, interleaved, medians of `--repeats`:
+16-token target and a 26-token prefix (10 text tokens, one 16-token reference), fp32 on the CPU, one thread.
+Printed, for ours and diffusers' transformer on the same weights, interleaved, medians of `--repeats`:
 - kernels per cached step: aten ops that launch a kernel (views, reshapes, other metadata-only ops and allocations
   left out), counted by a dispatch mode, and per block;
 - host ms per cached step (the whole forward at this width is host work).
@@ -21,9 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
-from bench_dit import build_models
-from qi21.model.encoders.conditioning import Conditioning
-from qi21.model.transformer.dit import PrefixInputs
+from bench_dit import build_inputs, build_models
 from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 LAYERS = 32
@@ -53,14 +51,7 @@ class KernelCount(TorchDispatchMode):
 def build(layers: int = LAYERS):
     """{"ours": cached step, "diffusers": cached step}, both caches filled, on the same random weights."""
     reference, ours, KVCache = build_models(layers, heads=1, context_in_dim=64)
-
-    slots = torch.tensor([False] * 5 + [True] * (GRID[0] * GRID[1] // 4) + [False] * 5)
-    text, ref_latents, target = torch.randn(1, len(slots), 64), torch.randn(1, 16, 64), torch.randn(1, 16, 64)
-    cond = Conditioning(text=text[0], image_slots=slots, references=ref_latents[0], ref_shapes=(GRID,))
-    prefix = PrefixInputs(layout=cond.layout(GRID), text=text[0], references=cond.references)
-    kwargs = dict(hidden_states=torch.cat([ref_latents, target], 1), encoder_hidden_states=text,
-                  img_shapes=[[(1, *GRID), (1, *GRID)]],
-                  img_mask=torch.cat([slots, torch.ones(GRID[0] * GRID[1] // 4, dtype=torch.bool)])[None])
+    prefix, target, kwargs, _ = build_inputs(1, text_tokens=10, context_dim=64, grid=GRID, lead=5)
     t = torch.tensor([0.8])
     cache, ref_cache = PrefixKVCache(), KVCache(layers)
     with torch.inference_mode():
@@ -95,7 +86,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results = measure(build(), args.repeats)
-    print(f"torch {torch.__version__}, 1 thread, {LAYERS} blocks, heads 1x128, target 16 + prefix 21 tokens, "
+    print(f"torch {torch.__version__}, 1 thread, {LAYERS} blocks, heads 1x128, target 16 + prefix 26 tokens, "
           f"cached step, median of {args.repeats}")
     print("side | kernels per step | per block | host ms per step")
     for side, (kernels, _, ms) in results.items():

@@ -323,8 +323,8 @@ def check_report(report: dict, sampler: dict) -> None:
     inputs = sampler["inputs"]
     assert REPORT_KEYS <= set(report), f"qi21_report lacks {REPORT_KEYS - set(report)}: {report}"
     # notes when there are any; loras with a LoRA; sampler and model_calls with a SAMPLER connected; the plan; what
-    # a kept or shared prefix saved; control with a Fun ControlNet
-    # a kept cache: what the store holds, its ceiling, what it evicted
+    # a kept or shared prefix saved; control with a Fun ControlNet; with a kept cache, what the store holds, its
+    # ceiling and what it evicted
     optional = {"notes", "loras", "plan", "peak_bytes", "sampler", "model_calls", "prefix_rows_reused",
                 "prefix_rows_computed", "prefix_key", "control", "cache_dtype", "kept_bytes", "kept_limit_bytes",
                 "kept_evictions"}

@@ -2,7 +2,6 @@
 count per block is held where issue 33 left it, and below diffusers' for the same step. Counts, not times: exact on
 any machine."""
 
-
 import pytest
 
 pytest.importorskip("diffusers")
