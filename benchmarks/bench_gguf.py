@@ -79,6 +79,33 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    """`(rows, cols)` fp32, cols a multiple of 256 -> Q2_K blocks `(rows, cols / 256 * 84)` uint8 (llama.cpp's
+    layout: 16 bytes of 4-bit scale | 4-bit min per 16-element sub-block, 64 bytes of 2-bit quants, fp16 d and
+    dmin). Plain min/max per sub-block, not llama.cpp's search: an upper bound of a real Q2_K file's error.
+    Sub-block k holds elements 16k..16k+15; element l of it sits in byte 32 (k // 8) + 16 (k % 2) + l of the
+    quants, at bit 2 ((k % 8) // 2), as llama.cpp's dequantizer reads them."""
+    rows = x.shape[0]
+    sub = x.reshape(-1, 16, 16).astype(np.float32)
+    low = np.minimum(sub.min(-1), 0)
+    step = (sub.max(-1) - low) / 3
+    d = (step.max(-1) / 15).astype(np.float16)
+    dmin = (-low.min(-1) / 15).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.clip(np.rint(step / d32), 0, 15), 0).astype(np.uint8)
+        mn = np.where(dmin32 > 0, np.clip(np.rint(-low / dmin32), 0, 15), 0).astype(np.uint8)
+        scale, offset = (d32 * sc)[..., None], (dmin32 * mn)[..., None]
+        q = np.where(scale > 0, np.clip(np.rint((sub + offset) / scale), 0, 3), 0).astype(np.uint8)
+    qs = np.zeros((sub.shape[0], 64), np.uint8)
+    for k in range(16):
+        at = 32 * (k // 8) + 16 * (k % 2)
+        qs[:, at : at + 16] |= q[:, k] << (2 * ((k % 8) // 2))
+    blocks = np.concatenate([sc | (mn << 4), qs, d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)],
+                            1)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(path: Path, tensors: dict[str, torch.Tensor], qtype: str) -> Path:
     import gguf
 
@@ -90,6 +117,8 @@ def write_gguf(path: Path, tensors: dict[str, torch.Tensor], qtype: str) -> Path
             data, kind = array, gguf.GGMLQuantizationType.F32
         elif qtype == "Q4_K" and array.shape[1] % 256 == 0:
             data, kind = quantize_q4_k(array), gguf.GGMLQuantizationType.Q4_K
+        elif qtype == "Q2_K" and array.shape[1] % 256 == 0:
+            data, kind = quantize_q2_k(array), gguf.GGMLQuantizationType.Q2_K
         elif qtype == "Q8_0" and array.shape[1] % 32 == 0:
             kind = gguf.GGMLQuantizationType.Q8_0
             data = gguf.quants.quantize(array, kind)

@@ -3,6 +3,11 @@
     python demo/run_workflows.py [--models DIR] [--out DIR] [--workflows PATH] [--input DIR] [--quick] [--verbose]
     python -m demo.run_workflows ...     (the same, from the repository root)
 
+By default the models are the toy trained here (demo/toy_model.py: it draws the flat shapes of its small
+vocabulary): the shipped workflows run with a prompt of that vocabulary in place of theirs and toy scenes as their
+input images, and `<out>/contact_sheet.png` shows every output with its prompt. `--random` uses the tiny random
+set instead (every file layout, images are noise), `--models DIR` real weights.
+
 Every `*.json` in `--workflows` (default: workflows/api/) is run the way ComfyUI's executor would run it:
 the graph is validated first (known node types, required inputs present, links pointing at an existing output
 of the right type, widget values inside their combo lists and min/max, each node's own `validate_inputs`), then
@@ -21,7 +26,7 @@ Each sampler's `qi21_report` is written next to the images as `qi21_report_<node
 printed and written to `<out>/summary.json`, and the exit status is 1 if any workflow failed (or none was found).
 
 With `--models DIR` the loaders read real weights from that ComfyUI-style models folder (`diffusion_models/`,
-`text_encoders/`, `vae/`, `diffusers/`). Without it a tiny random checkpoint set is generated in a temporary
+`text_encoders/`, `vae/`, `diffusers/`). With `--random` a tiny random checkpoint set is generated in a temporary
 folder (`tiny_checkpoints.py`) and the images are noise; in that mode (and with `--quick`) sizes and steps are
 capped so every workflow runs in seconds on a CPU, and the output says so.
 """
@@ -49,7 +54,13 @@ from ..nodes import bridge
 from .core_nodes import WorkflowError, input_file_name, write_example_images
 from .pack_import import ROOT
 from .tiny_checkpoints import write_tiny_checkpoints
+from .toy_model import write_toy_checkpoints
+from .toy_workflows import contact_sheet, toy_overrides, write_toy_inputs
 from .workflow_runner import QUICK_NOTE, TINY_BANNER, Runner, WorkflowResult, load_workflow
+
+TOY_BANNER = ("USING THE TOY MODEL TRAINED HERE (demo/toy_model.py): it draws flat shapes from a small vocabulary; "
+              "pass --models for real weights")
+SHIPPED_WORKFLOWS = ROOT / "workflows" / "api"
 
 
 # -- command line ------------------------------------------------------------------------------------------------
@@ -90,7 +101,7 @@ def _status(result: WorkflowResult) -> str:
     return "ok" if result.ok else "skipped" if result.skipped else "FAILED"
 
 
-def print_summary(results: list[WorkflowResult], tiny: bool, out_dir: Path, log=print) -> None:
+def print_summary(results: list[WorkflowResult], banner: str | None, out_dir: Path, log=print) -> None:
     width = max([len(r.name) for r in results] + [8])
     log("")
     log(f"{'workflow':<{width}}  {'result':<6}  {'time':>7}  {'images':>6}  sampler report")
@@ -108,21 +119,24 @@ def print_summary(results: list[WorkflowResult], tiny: bool, out_dir: Path, log=
     skipped = sum(bool(r.skipped) for r in results)
     log(f"\n{ok}/{len(results)} workflows ok" + (f", {skipped} skipped" if skipped else "")
         + f"; images and reports in {out_dir}")
-    if tiny:
-        log(TINY_BANNER)
+    if banner:
+        log(banner)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Run the Qwen-Image 2.1 API-format workflows headlessly.")
     parser.add_argument("--models", type=Path, default=None,
                         help="ComfyUI models folder with real weights (diffusion_models/, text_encoders/, vae/, "
-                             "diffusers/). Without it a tiny random checkpoint set is generated and images are noise.")
+                             "diffusers/). Without it the toy trained here runs (demo/toy_model.py).")
+    parser.add_argument("--random", action="store_true",
+                        help="the tiny random checkpoint set instead of the toy (every file layout; images are noise)")
     parser.add_argument("--out", type=Path, default=Path("out"), help="where images, reports and summary.json go "
                         "(default ./out)")
-    parser.add_argument("--workflows", type=Path, default=ROOT / "workflows" / "api",
+    parser.add_argument("--workflows", type=Path, default=SHIPPED_WORKFLOWS,
                         help="a folder of API-format *.json workflows, or one file (default: workflows/api)")
     parser.add_argument("--input", type=Path, default=None,
-                        help="where LoadImage reads from (default <out>/input; missing images are generated)")
+                        help="where LoadImage reads from (default <out>/input, <out>/toy_input for the toy; missing "
+                             "images are generated)")
     parser.add_argument("--quick", action="store_true",
                         help="cap sizes and steps as the tiny random set always does: a fast smoke run of real weights")
     parser.add_argument("--verbose", action="store_true", help="per-node timings, notes and tracebacks")
@@ -132,39 +146,48 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out_dir = args.out
-    input_dir = args.input if args.input is not None else out_dir / "input"
+    tiny = args.models is None and args.random
+    toy = args.models is None and not args.random
+    input_dir = args.input if args.input is not None else out_dir / ("toy_input" if toy else "input")
     workflows = find_workflows(args.workflows)
     if not workflows:
         print(f"No API-format workflows (*.json) found at {args.workflows}; nothing to run.")
         return 1
-    tiny = args.models is None
-    if not tiny and not args.models.is_dir():
+    if args.models is not None and not args.models.is_dir():
         print(f"--models {args.models}: no such folder.")
         return 1
     if bridge.HAVE_COMFY:
         print("Note: ComfyUI is importable here, so the nodes use ComfyUI's own model folders and --models (or the "
-              "tiny set) is ignored by the loaders.")
+              "generated set) is ignored by the loaders.")
     out_dir.mkdir(parents=True, exist_ok=True)
+    banner = TINY_BANNER if tiny else TOY_BANNER if toy else None
+    shipped = args.workflows.resolve() == SHIPPED_WORKFLOWS.resolve()
     previous_root = getattr(bridge, "_plain_models_root", None)  # restored afterwards (in-process callers)
-    with tempfile.TemporaryDirectory(prefix="qi21_tiny_models_", ignore_cleanup_errors=True) as scratch:
-        if tiny:
-            print(TINY_BANNER)
+    with tempfile.TemporaryDirectory(prefix="qi21_models_", ignore_cleanup_errors=True) as scratch:
+        if banner:
+            print(banner)
             tick = time.perf_counter()
-            models = write_tiny_checkpoints(Path(scratch))["root"]
-            print(f"  wrote the tiny random model set to {models} in {time.perf_counter() - tick:.1f} s")
+            write = write_tiny_checkpoints if tiny else write_toy_checkpoints
+            models = write(Path(scratch))["root"]
+            print(f"  wrote the {'tiny random' if tiny else 'toy'} model set to {models} in "
+                  f"{time.perf_counter() - tick:.1f} s")
         else:
             models = args.models
             print(f"Using real weights from {models}")
         bridge.set_models_root(models)
         try:
-            created = write_example_images(input_dir, image_names(workflows))
+            created = (write_toy_inputs if toy else write_example_images)(input_dir, image_names(workflows))
             if created:
                 print(f"  generated example input images in {input_dir}: {', '.join(p.name for p in created)}")
             quick = tiny or args.quick
             if quick:
                 on_cpu = bridge.compute_device().type == "cpu"
                 print(f"  {QUICK_NOTE}" + (", weights in fp32 (no fast bf16 on this CPU)" if on_cpu else ""))
-            runner = Runner(out_dir, input_dir, quick, args.verbose)
+            overrides = toy_overrides if toy and shipped else None
+            if overrides:
+                print("  the shipped workflows' prompts are for the real model: each runs with a prompt of the toy's "
+                      "vocabulary instead, at 256x256 (demo/toy_workflows.py)")
+            runner = Runner(out_dir, input_dir, quick, args.verbose, overrides=overrides)
             print(f"Running {len(workflows)} workflow(s) from {args.workflows}")
             results = []
             for index, path in enumerate(workflows, 1):
@@ -172,7 +195,8 @@ def main(argv=None) -> int:
                 result = runner.run(path)
                 results.append(result)
                 print(f"    {_status(result)} in {result.seconds:.1f} s, {len(result.images)} image(s)"
-                      + (f": {result.error or result.skipped}" if result.error or result.skipped else ""))
+                      + (f": {result.error or result.skipped}" if result.error or result.skipped else "")
+                      + (f"; prompt {result.prompts[0]!r}" if toy and result.prompts else ""))
                 if args.verbose:
                     for note in result.notes:
                         print(f"    note: {note}")
@@ -183,13 +207,18 @@ def main(argv=None) -> int:
             bridge.set_models_root(previous_root)
     summary = [{
         "workflow": r.name, "ok": r.ok, "skipped": r.skipped, "seconds": round(r.seconds, 3), "error": r.error,
-        "notes": r.notes,
+        "notes": r.notes, "prompts": r.prompts,
         "images": [str(p) for p in r.images],
         "reports": [{"node": node_id, "file": str(path), "report": entries} for node_id, entries, path in r.reports],
     } for r in results]
-    (out_dir / "summary.json").write_text(json.dumps({"tiny_random_checkpoint": tiny, "workflows": summary}, indent=2)
-                                          + "\n", encoding="utf-8")
-    print_summary(results, tiny, out_dir)
+    model = "tiny_random" if tiny else "toy" if toy else "given"
+    (out_dir / "summary.json").write_text(json.dumps({"tiny_random_checkpoint": tiny, "model": model,
+                                                      "workflows": summary}, indent=2) + "\n", encoding="utf-8")
+    sheet = [(r.name, r.prompts[0] if r.prompts else "", p) for r in results for p in r.images
+             if p.suffix == ".png" and not p.name.startswith("preview_")]
+    if sheet:
+        print(f"contact sheet: {contact_sheet(sheet, out_dir / 'contact_sheet.png')}")
+    print_summary(results, banner, out_dir)
     return 0 if any(r.ok for r in results) and all(r.ok or r.skipped for r in results) else 1
 
 

@@ -48,6 +48,7 @@ import json
 import math
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -154,8 +155,17 @@ def dit_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0) -> dict[str, tor
     with torch.device("meta"):
         shapes = _meta_shapes(QwenImage21DiT(config))
     generator = torch.Generator().manual_seed(seed)
-    out = {}
+    ours = {}
     for name, shape in shapes.items():
+        kind = "scale-1" if name == "txt_in.text_norm.weight" else "scale" if len(shape) == 1 else "matrix"
+        ours[name] = _random(shape, kind, generator)
+    return dit_to_diffusers(ours)
+
+
+def dit_to_diffusers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our DiT parameter names (`QwenImage21DiT.state_dict()`) -> diffusers' layout, fused rows split in order."""
+    out = {}
+    for name, tensor in state.items():
         if name in DIT_TOP_LEVEL:
             targets = (DIT_TOP_LEVEL[name],)
         else:
@@ -163,9 +173,18 @@ def dit_state_dict(config: DiTConfig = TINY_DIT, seed: int = 0) -> dict[str, tor
             if match is None or match.group(2) not in DIT_BLOCK:
                 raise KeyError(f"the DiT has a parameter {name!r} that no file layout names; update DIT_BLOCK")
             targets = tuple(f"transformer_blocks.{match.group(1)}.{part}" for part in DIT_BLOCK[match.group(2)])
-        kind = "scale-1" if name == "txt_in.text_norm.weight" else "scale" if len(shape) == 1 else "matrix"
-        for target, part in zip(targets, _random(shape, kind, generator).chunk(len(targets))):
+        for target, part in zip(targets, tensor.chunk(len(targets))):
             out[target] = part.contiguous()
+    return out
+
+
+def diffusers_to_dit(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`dit_to_diffusers` backwards: diffusers' DiT keys -> our parameter names, split rows fused again."""
+    blocks = sorted({int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks.")})
+    out = {ours: state[theirs] for ours, theirs in DIT_TOP_LEVEL.items()}
+    for i in blocks:
+        for ours, parts in DIT_BLOCK.items():
+            out[f"blocks.{i}.{ours}"] = torch.cat([state[f"transformer_blocks.{i}.{part}"] for part in parts])
     return out
 
 
@@ -257,29 +276,45 @@ def dit_config_json(config: DiTConfig) -> dict:
 
 # -- VAE (docs/checkpoints.md) -------------------------------------------------------------------------------
 def vae_state_dict(config: QwenImage21VAEConfig = TINY_VAE, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A random VAE with our architecture (`QwenImage21VAE(config)`) in diffusers' layout: 4-D convolutions,
-    resnet/head gammas `[C, 1, 1, 1]`, attention gammas `[C, 1, 1]`, and the `time_conv` weights diffusers has
-    for the temporal stages (encoder `[C, C, 1, 1]`, decoder `[2C, C, 1, 1]`; a single frame never runs them)."""
+    """A random VAE with our architecture (`QwenImage21VAE(config)`) in diffusers' layout (`vae_to_diffusers`)."""
     with torch.device("meta"):
         shapes = _meta_shapes(QwenImage21VAE(config))
-    stages = len(config.dim_mult) - 1
+    shapes.update(_time_conv_shapes(shapes, config))
+    generator = torch.Generator().manual_seed(seed)
+    ours = {}
+    for name, shape in sorted(shapes.items()):
+        kind = "scale" if name.endswith(".gamma") else "bias" if name.endswith(".bias") else "matrix"
+        ours[name] = _random(shape, kind, generator)
+    return vae_to_diffusers(ours, config)
+
+
+def _time_conv_shapes(shapes: dict[str, tuple], config: QwenImage21VAEConfig) -> dict[str, tuple]:
+    """The `time_conv` weights diffusers has for the temporal stages (encoder `[C, C, 1, 1]`, decoder `[2C, C, 1,
+    1]`); a single frame never runs them, so our VAE has none."""
+    stages, out = len(config.dim_mult) - 1, {}
     for i, temporal in enumerate(config.temporal_downsample):
         if temporal:
             channels = shapes[f"encoder.down_blocks.{i}.downsampler.resample.1.weight"][0]
-            shapes[f"encoder.down_blocks.{i}.downsampler.time_conv.weight"] = (channels, channels, 1, 1)
-            shapes[f"encoder.down_blocks.{i}.downsampler.time_conv.bias"] = (channels,)
+            out[f"encoder.down_blocks.{i}.downsampler.time_conv.weight"] = (channels, channels, 1, 1)
+            out[f"encoder.down_blocks.{i}.downsampler.time_conv.bias"] = (channels,)
         if config.temporal_downsample[stages - 1 - i]:  # the decoder mirrors the encoder
             channels = shapes[f"decoder.up_blocks.{i}.upsampler.resample.1.weight"][1]
-            shapes[f"decoder.up_blocks.{i}.upsampler.time_conv.weight"] = (2 * channels, channels, 1, 1)
-            shapes[f"decoder.up_blocks.{i}.upsampler.time_conv.bias"] = (2 * channels,)
-    generator = torch.Generator().manual_seed(seed)
+            out[f"decoder.up_blocks.{i}.upsampler.time_conv.weight"] = (2 * channels, channels, 1, 1)
+            out[f"decoder.up_blocks.{i}.upsampler.time_conv.bias"] = (2 * channels,)
+    return out
+
+
+def vae_to_diffusers(state: dict[str, torch.Tensor], config: QwenImage21VAEConfig) -> dict[str, torch.Tensor]:
+    """Our VAE parameters (`QwenImage21VAE.state_dict()`, whose names are diffusers') in diffusers' layout:
+    resnet/head gammas `[C, 1, 1, 1]`, attention gammas `[C, 1, 1]`, and zero `time_conv` weights where `state`
+    has none (unused by a single frame, present in the release)."""
     out = {}
-    for name, shape in sorted(shapes.items()):
+    for name, tensor in sorted(state.items()):
         if name.endswith(".gamma"):
-            shape = (shape[0], 1, 1) if ".attentions." in name else (shape[0], 1, 1, 1)
-            out[name] = _random(shape, "scale", generator)
-        else:
-            out[name] = _random(shape, "bias" if name.endswith(".bias") else "matrix", generator)
+            tensor = tensor.reshape((-1, 1, 1) if ".attentions." in name else (-1, 1, 1, 1))
+        out[name] = tensor.contiguous()
+    for name, shape in _time_conv_shapes({k: tuple(v.shape) for k, v in state.items()}, config).items():
+        out.setdefault(name, torch.zeros(shape))
     return out
 
 
@@ -403,18 +438,31 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, stem: str, dty
     return index
 
 
-def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
+@dataclass(frozen=True)
+class ModelWeights:
+    """DiTs and VAE to write instead of random ones (the trained toy, demo/toy_model.py), in diffusers' layout."""
+
+    dit_config: DiTConfig
+    vae_config: QwenImage21VAEConfig
+    base_dit: dict
+    turbo_dit: dict
+    vae: dict
+
+
+def write_tiny_checkpoints(root: Path, seed: int = 0, weights: ModelWeights | None = None) -> dict[str, Path]:
     """Write the tiny random model set under `root` (a ComfyUI models folder); returns where everything is.
 
     Keys of the result: "root"; the single files "dit", "turbo_dit", "text_encoder", "tokenizer", "vae", "lora",
     "turbo_lora", "controlnet"; the diffusers repositories "diffusers_base", "diffusers_turbo". Existing files are
-    overwritten. The same seed gives the same weights.
+    overwritten. The same seed gives the same weights. `weights` replaces the random DiTs and VAE in every layout
+    (the LoRAs and the control net are then random ones of that DiT's size; the text encoder is always this one).
     """
     root = Path(root)
     bf16 = torch.bfloat16
-    base_dit = dit_state_dict(TINY_DIT, seed)
-    turbo_dit = dit_state_dict(TINY_DIT, seed + 1)  # a different (distilled) set of weights
-    vae = vae_state_dict(TINY_VAE, seed + 2)
+    dit_config, vae_config = (weights.dit_config, weights.vae_config) if weights else (TINY_DIT, TINY_VAE)
+    base_dit = weights.base_dit if weights else dit_state_dict(TINY_DIT, seed)
+    turbo_dit = weights.turbo_dit if weights else dit_state_dict(TINY_DIT, seed + 1)  # a distilled set of weights
+    vae = weights.vae if weights else vae_state_dict(TINY_VAE, seed + 2)
     te_config = tiny_text_encoder_config()
     text_encoder = text_encoder_state_dict(te_config, seed + 3)
 
@@ -425,12 +473,13 @@ def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
                            root / "diffusion_models" / TURBO_DIT_FILE, bf16),
         "text_encoder": _save({comfy_text_encoder_key(k): v for k, v in text_encoder.items()},
                               root / "text_encoders" / TEXT_ENCODER_FILE, bf16),
-        "vae": _save(comfy_vae_state_dict(vae, TINY_VAE.num_res_blocks), root / "vae" / VAE_FILE, bf16),
-        "lora": _save(lora_state_dict(TINY_DIT, seed + 4), root / "loras" / SPEED_LORA_FILE, bf16),
+        "vae": _save(comfy_vae_state_dict(vae, vae_config.num_res_blocks), root / "vae" / VAE_FILE, bf16),
+        "lora": _save(lora_state_dict(dit_config, seed + 4), root / "loras" / SPEED_LORA_FILE, bf16),
         "turbo_lora": _save(extracted_lora_state_dict(*({k: v.to(bf16) for k, v in comfy_dit_state_dict(sd).items()}
                                                         for sd in (base_dit, turbo_dit)), 8, TURBO_LORA_FULL),
                             root / "loras" / TURBO_LORA_FILE, torch.float16),  # the files' bf16 values, in fp16
-        "controlnet": _save(controlnet_state_dict(TINY_DIT, seed + 5), root / "model_patches" / CONTROLNET_FILE, bf16),
+        "controlnet": _save(controlnet_state_dict(dit_config, seed + 5), root / "model_patches" / CONTROLNET_FILE,
+                            bf16),
     }
     tokenizer = root / "text_encoders" / (Path(TEXT_ENCODER_FILE).stem + "_tokenizer")  # found by find_tokenizer_dir
     shutil.rmtree(tokenizer, ignore_errors=True)
@@ -447,9 +496,9 @@ def write_tiny_checkpoints(root: Path, seed: int = 0) -> dict[str, Path]:
         index = dict(MODEL_INDEX, **({"sample_sigmas": list(sigmas)} if sigmas else {}))
         _write_json(folder / "model_index.json", index)
         _write_json(folder / "scheduler" / "scheduler_config.json", scheduler)
-        _write_json(folder / "transformer" / "config.json", dit_config_json(TINY_DIT))
+        _write_json(folder / "transformer" / "config.json", dit_config_json(dit_config))
         _save_sharded(dit, folder / "transformer", "diffusion_pytorch_model", bf16)
-        _write_json(folder / "vae" / "config.json", vae_config_json(TINY_VAE))
+        _write_json(folder / "vae" / "config.json", vae_config_json(vae_config))
         _save(vae, folder / "vae" / "diffusion_pytorch_model.safetensors", torch.float32)  # the release's VAE is fp32
         _write_json(folder / "text_encoder" / "config.json", te_json)
         if sigmas:  # Turbo ships its (identical) text encoder as one file, Base sharded

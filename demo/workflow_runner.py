@@ -93,13 +93,18 @@ class WorkflowResult:
     error: str | None = None
     details: str | None = None
     skipped: str | None = None  # why it needs a real ComfyUI (core nodes this runner does not implement)
+    prompts: list = field(default_factory=list)  # what each QI21TextEncode node encoded
 
 
 class Runner:
     """Validates and executes API-format workflows through the pack's node classes and the core nodes above."""
 
-    def __init__(self, out_dir: Path, input_dir: Path, quick: bool, verbose: bool = False, log=print):
+    def __init__(self, out_dir: Path, input_dir: Path, quick: bool, verbose: bool = False, log=print,
+                 overrides=None):
+        """`overrides(workflow name, class_type, kwargs) -> [changes]` rewrites node inputs before they run (the
+        toy's prompts and sizes, demo/toy_workflows.py); its changes are noted like the quick run's."""
         self.out_dir, self.input_dir, self.quick, self.verbose, self.log = out_dir, input_dir, quick, verbose, log
+        self.overrides = overrides
         self.classes = {cls.define_schema().node_id: cls for cls in NODES}  # after set_models_root: combo lists
         self.schemas = {node_id: cls.define_schema() for node_id, cls in self.classes.items()}
         self.schemas.update(core_schemas())
@@ -323,7 +328,7 @@ class Runner:
                 return result
             order = self._needed(nodes)
             self.validate(nodes, order, result.notes)
-            self._keep_loaded(nodes, order)
+            self._keep_loaded(nodes, order, path.stem)
             folder = self.out_dir / path.stem
             outputs: dict[str, tuple] = {}
             for node_id in order:
@@ -334,6 +339,12 @@ class Runner:
                     changed = self._quick_overrides(node["class_type"], kwargs)
                     if changed:
                         result.notes.append(f"node {node_id} ({node['class_type']}): {', '.join(changed)} (quick run)")
+                if self.overrides is not None:
+                    changed = self.overrides(path.stem, node["class_type"], kwargs)
+                    if changed:
+                        result.notes.append(f"node {node_id} ({node['class_type']}): {', '.join(changed)} (toy)")
+                if node["class_type"] == "QI21TextEncode" and isinstance(kwargs.get("prompt"), str):
+                    result.prompts.append(kwargs["prompt"])
                 tick = time.perf_counter()
                 outputs[node_id] = self._execute(node_id, node, kwargs, nodes, folder, result)
                 if self.verbose:
@@ -347,7 +358,7 @@ class Runner:
         result.seconds = time.perf_counter() - start
         return result
 
-    def _keep_loaded(self, nodes: dict, order: list[str]) -> None:
+    def _keep_loaded(self, nodes: dict, order: list[str], workflow: str) -> None:
         """Drop the loaded models this workflow does not use (real weights are tens of GB); keep the others."""
         wanted = set()
         for node_id in order:
@@ -359,6 +370,8 @@ class Runner:
                     continue
                 if self.quick:
                     self._quick_overrides(class_type, kwargs)  # the key the loader will be cached under
+                if self.overrides is not None:
+                    self.overrides(workflow, class_type, kwargs)
                 wanted.add(self._loader_key(class_type, kwargs))
         for key in list(self.loader_cache):
             if key not in wanted:

@@ -281,7 +281,7 @@ def write_workflows(folder: Path, workflows: dict) -> Path:
 def test_the_demo_runs_green_end_to_end_on_the_tiny_set(tmp_path, capsys):
     workflows = write_workflows(tmp_path / "api", {"base_t2i": BASE_T2I, "turbo_edit": TURBO_EDIT})
     out = tmp_path / "out"
-    assert run_workflows.main(["--out", str(out), "--workflows", str(workflows)]) == 0
+    assert run_workflows.main(["--random", "--out", str(out), "--workflows", str(workflows)]) == 0
     printed = capsys.readouterr().out
     assert printed.count(run_workflows.TINY_BANNER) == 2  # at the start and under the summary
     assert "2/2 workflows ok" in printed

@@ -102,6 +102,8 @@ class Rows:
     def modulate(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
         """`x * factor` (`factor` = 1 + scale) with each row's own modulation row (prefix g: its row; sample b's
         targets: row b)."""
+        if x.requires_grad or factor.requires_grad:  # training (demo/train_toy.py): autograd cannot follow out=
+            return self._per_row(x, factor)
         out = torch.empty_like(x)
         for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
             torch.mul(x[start:end], factor[row], out=out[start:end])
@@ -109,12 +111,33 @@ class Rows:
         torch.mul(target, factor[: self.samples, None], out=out[self.target_start :].view_as(target))
         return out
 
-    def gated_add(self, x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> None:
-        """`x += gate * update` (`gate` = tanh of the table's gate), in place, with `modulate`'s row selection."""
+    def gated_add(self, x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """`x + gate * update` (`gate` = tanh of the table's gate) with `modulate`'s row selection: in place into
+        `x` (returned), or a new tensor when autograd records (it cannot follow an in-place sum into a saved `x`)."""
+        if x.requires_grad or update.requires_grad:
+            return self._per_row(x, gate, update)
         for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
             x[start:end] += gate[row] * update[start:end]
         target = x[self.target_start :].view(self.samples, self.target_len, -1)
         target += gate[: self.samples, None] * update[self.target_start :].view_as(target)
+        return x
+
+    def _per_row(self, x: torch.Tensor, table: torch.Tensor, update: torch.Tensor | None = None) -> torch.Tensor:
+        """The training path of `modulate` (`update` None: `x * table`) and `gated_add` (`x + table * update`), out
+        of place with the same row selection and the same values; inference writes into preallocated buffers."""
+        parts = []
+        spans = list(zip(self.prefix_spans, self.prefix_mod_rows))
+        for (start, end), row in spans:
+            factor = table[row]
+            parts.append(x[start:end] * factor if update is None else x[start:end] + factor * update[start:end])
+        start = self.target_start
+        target = x[start:].view(self.samples, self.target_len, -1)
+        factor = table[: self.samples, None]
+        if update is None:
+            parts.append((target * factor).flatten(0, 1))
+        else:
+            parts.append((target + factor * update[start:].view_as(target)).flatten(0, 1))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def block_modulation(table: torch.Tensor) -> torch.Tensor:
@@ -149,7 +172,10 @@ class Block(nn.Module):
         # two GEMMs over one [gate; up] weight (module docstring); SiLU and the product in place: no temporaries
         hidden = self.gate_up.weight.shape[0] // 2
         up = self.gate_up.rows(x, hidden, 2 * hidden)
-        return self.down(F.silu(self.gate_up.rows(x, 0, hidden), inplace=True).mul_(up))
+        gate = self.gate_up.rows(x, 0, hidden)
+        if gate.requires_grad:  # training: autograd needs the pre-activation the in-place SiLU would overwrite
+            return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate, inplace=True).mul_(up))
 
     def qkv_heads(self, h: torch.Tensor, rope: torch.Tensor):
         """Normed, rotated q and k and plain v, each `(N, heads, head_dim)` and contiguous."""
@@ -218,8 +244,8 @@ class Block(nn.Module):
 
         if drop_prefix:
             x, rows = x[t0:], rows.targets_only()
-        rows.gated_add(x, gate1, self.to_out(attn.flatten(1)))
-        rows.gated_add(x, gate2, self.mlp(rows.modulate(layer_norm(x, self.eps), factor2)))
+        x = rows.gated_add(x, gate1, self.to_out(attn.flatten(1)))
+        x = rows.gated_add(x, gate2, self.mlp(rows.modulate(layer_norm(x, self.eps), factor2)))
         if x.dtype == torch.float16:
             x = x.clamp_(-65504, 65504)
         return x

@@ -1,0 +1,72 @@
+"""Does the toy draw what it is asked? 40 text-to-image prompts and 20 edits drawn from its vocabulary (another
+seed than training's draws), 40 Base steps at 256x256, each picture read by demo/toy_eval.py `analyse`.
+
+Prints, per kind, the share whose shape has the asked colour and sits on the asked side (and the share with the
+asked background too); an edit must keep what it was not asked to change. `--sheet FILE` writes every picture
+with its prompt and what was read (docs/images/toy_accuracy.png).
+
+    python benchmarks/toy_accuracy.py [--steps 40] [--turbo] [--sheet FILE]
+"""
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
+from qi21.demo.toy_data import random_edit, random_scene
+from qi21.demo.toy_eval import ToyPipeline, analyse
+from qi21.demo.toy_model import write_toy_checkpoints
+from qi21.demo.toy_workflows import contact_sheet
+
+
+def asked(scene) -> tuple:
+    item = scene.items[0]
+    return scene.background, item.colour, item.position
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--turbo", action="store_true", help="the Turbo DiT and its 8 stored sigmas")
+    parser.add_argument("--prompts", type=int, default=40)
+    parser.add_argument("--edits", type=int, default=20)
+    parser.add_argument("--sheet", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    rng = random.Random(11)
+    t2i = [random_scene(rng) for _ in range(args.prompts)]
+    edits = [random_edit(rng, ("recolour", "move", "background")[i % 3]) for i in range(args.edits)]
+    with tempfile.TemporaryDirectory() as tmp:
+        write_toy_checkpoints(Path(tmp))
+        pipe = ToyPipeline(Path(tmp))
+        entries, tick = [], time.perf_counter()
+        for kind, cases in (("text-to-image", [(s.caption(0), None, s) for s in t2i]),
+                            ("edit", [(e.instruction, e.source, e.target) for e in edits])):
+            sided = full = 0
+            for i, (prompt, source, wanted) in enumerate(cases):
+                refs = (pipe.reference(source.render()),) if source else ()
+                image = pipe.generate(prompt, 100 + i, refs, steps=args.steps, turbo=args.turbo)[0][0]
+                got = analyse(image).reading
+                want = asked(wanted)
+                sided += got[1:] == want[1:]
+                full += got == want
+                path = Path(tmp) / f"{kind}_{i}.png"
+                Image.fromarray((image * 255).round().byte().numpy(), "RGBA").save(path)
+                label = f"{'ok' if got == want else 'MISS'}: {' '.join(str(g) for g in got)}"
+                entries.append((label, (f"[{asked(source)[1]} {asked(source)[2]}] " if source else "") + prompt,
+                                path))
+            print(f"{kind}: {sided}/{len(cases)} ({100 * sided / len(cases):.0f}%) have the asked colour and side, "
+                  f"{full}/{len(cases)} also the asked background")
+        print(f"{len(entries)} pictures in {time.perf_counter() - tick:.1f} s "
+              f"({'Turbo, 8 sigmas' if args.turbo else f'{args.steps} Base steps'})")
+        if args.sheet:
+            print(f"sheet: {contact_sheet(entries, args.sheet, columns=10)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""Train the toy Qwen-Image 2.1 (demo/toy_model.py) on the procedural shapes of demo/toy_data.py, on the CPU.
+
+    python demo/train_toy.py            # ~55 minutes on 2 cores; writes demo/toy/*.safetensors + training_log.json
+    python demo/train_toy.py --quick    # a few steps of every phase (the determinism test runs this twice)
+
+Phases, each seeded, in one process with 2 threads (the same torch build and thread count rebuild the files
+bit for bit; another thread count changes the float sums and so the files):
+1. **VAE** (the released architecture at widths 8/12) as an autoencoder on 128 px crops around a shape: L2 + L1
+   reconstruction (the shape's pixels weighted 5x) and a light KL to N(0, 1), so the decoder tolerates the DiT's
+   imperfect latents. Then frozen, its latent space re-expressed (an exact change of variables in the two 1x1
+   convolutions around it) so that the released `latents_mean` / `latents_std` normalise it to zero mean and unit
+   variance: every loader and node treats the toy's latents like the real ones.
+2. **Data**: scenes and edit pairs rendered, VAE-encoded and text-encoded once. The text encoder is the demo's
+   seeded tiny Qwen3-VL (frozen, as the real one is); an edit's reference goes through its vision tower and the
+   VAE exactly as the reference node sends it.
+3. **DiT** (4 blocks, width 256) by flow matching through the pack's own forward (block-causal attention, the
+   t = 0 prefix rows, the ragged prefixes of a batch): `x_s = (1 - s) x0 + s noise`, target `noise - x0`, sigmas
+   drawn logit-normal and shifted as the official schedule shifts 256x256 (mu 0.5); 10% of text-to-image prompts
+   are empty so CFG has an unconditional model. EMA weights are kept.
+4. **Turbo**: a copy distilled onto the stored 8 sigmas: the Base model's many-step Euler trajectories between
+   each pair of stored sigmas are the targets of one student step.
+"""
+
+import argparse
+import copy
+import importlib
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+if __name__ == "__main__" and not (__package__ or "").endswith(".demo"):
+    # Run as a script: register the repository as package `qi21` and run this module inside it (as
+    # run_workflows.py does), where its relative imports of the pack resolve.
+    if __package__:
+        from .pack_import import import_pack
+    else:
+        from pack_import import import_pack
+
+    sys.exit(importlib.import_module(f"{import_pack().__name__}.demo.train_toy").main())
+
+from ..model.encoders.pipeline import encode_prepared, encode_prompt
+from ..model.encoders.references import prepare_reference
+from ..model.loaders.text_encoder import load_text_encoder
+from ..model.sampling.schedule import TURBO_SIGMAS, schedule_mu
+from ..model.transformer.dit import PrefixInputs, QwenImage21DiT
+from ..model.vae.autoencoder import QwenImage21VAE
+from ..model.vae.latents import RELEASED_LATENT_FORMAT
+from .tiny_checkpoints import diffusers_to_dit, dit_to_diffusers, vae_to_diffusers, write_tiny_checkpoints
+from .toy_data import SIZE, random_edit, random_scene
+from .toy_model import BASE_FILE, FIRST_FILE, LOG_FILE, TOY_DIR, TOY_DIT, TOY_VAE, TURBO_FILE, VAE_FILE
+
+GRID = (SIZE // 16, SIZE // 16)
+FULL = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, dit_steps=1500, refine_steps=800,
+            turbo_paths=64, turbo_steps=150, batch=16)
+QUICK = dict(vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit_steps=3, refine_steps=2, turbo_paths=2,
+             turbo_steps=2, batch=2)
+
+
+def pixels(image) -> torch.Tensor:
+    """PIL RGBA -> `(4, H, W)` in [-1, 1], as the reference node hands pixels to the VAE."""
+    return prepare_reference(image, resolution=0).pixels[0]
+
+
+def cosine(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
+
+
+# -- 1. VAE ----------------------------------------------------------------------------------------------------
+def train_vae(images: torch.Tensor, centres: list, steps: int, log) -> QwenImage21VAE:
+    """Crops of 128 px around a shape (a crop of plain background teaches nothing about colour), the shape's pixels
+    weighted 5x in the loss: flat backgrounds are most of every image and would otherwise win."""
+    generator = torch.Generator().manual_seed(1)
+    vae = QwenImage21VAE(TOY_VAE).requires_grad_(True)
+    opt = torch.optim.Adam(vae.parameters(), lr=1e-3)
+    z, crop = TOY_VAE.z_dim, 128
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine(step, steps, 1e-3, 50)
+        pick = torch.randint(len(images), (8,), generator=generator).tolist()
+        shift = (torch.randint(-40, 41, (8, 2), generator=generator)).tolist()
+        crops = []
+        for i, (dx, dy) in zip(pick, shift):
+            cx, cy = centres[i]
+            left = min(max(0, (cx + dx - crop // 2) // 16 * 16), SIZE - crop)
+            top = min(max(0, (cy + dy - crop // 2) // 16 * 16), SIZE - crop)
+            crops.append(images[i][:, top : top + crop, left : left + crop])
+        x = torch.stack(crops)  # contiguous: a strided crop sends the convolutions down a slow path
+        background = x[:, :, :1, :1]  # every crop's corner is background (a shape sits 40 px inside at most)
+        weight = 1 + 4 * ((x - background).abs().amax(dim=1, keepdim=True) > 0.2).float()
+        moments = vae.quant_conv(vae.encoder(x))
+        mean, logvar = moments[:, :z], moments[:, z:].clamp(-20, 4)
+        sample = mean + torch.randn(mean.shape, generator=generator) * (0.5 * logvar).exp()
+        out = vae.decoder(vae.post_quant_conv(sample))
+        error = out - x
+        recon = (weight * (error.pow(2) + 0.1 * error.abs())).mean() / weight.mean()
+        kl = 0.5 * (mean.pow(2) + logvar.exp() - 1 - logvar).mean()
+        loss = recon + 1e-3 * kl
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"vae {step:4d}/{steps} recon {recon.item():.5f} kl {kl.item():.3f}")
+    vae.requires_grad_(False).eval()
+    return vae
+
+
+@torch.no_grad()
+def fit_latent_space(vae: QwenImage21VAE, images: torch.Tensor) -> None:
+    """Re-express the latent space so the released statistics normalise it to mean 0, variance 1 (per channel
+    centred, one global scale: a channel the KL switched off stays near 0 instead of being blown up to noise).
+
+    The encoder's mean is the first z rows of `quant_conv` and the decoder starts with `post_quant_conv`, both
+    1x1 convolutions, so `raw' = a * raw + b` is folded exactly into their weights."""
+    z = TOY_VAE.z_dim
+    raw = torch.cat([vae._encode_mean(images[i : i + 32]) for i in range(0, len(images), 32)])
+    centre = raw.mean(dim=(0, 2, 3))
+    scale = (raw - centre[None, :, None, None]).pow(2).mean().sqrt()
+    mean, std = (torch.tensor(v) for v in (RELEASED_LATENT_FORMAT.mean, RELEASED_LATENT_FORMAT.std))
+    a, b = std / scale, mean - std * centre / scale  # raw' = a raw + b  <=>  (raw' - mean) / std = (raw - c) / s
+    q = vae.quant_conv
+    q.weight[:z] *= a[:, None, None, None]
+    q.bias[:z] = a * q.bias[:z] + b
+    q.bias[z:] += 2 * a.log()  # the log-variance rows follow (unused by inference)
+    p = vae.post_quant_conv  # p(raw) must equal p_old((raw' - b) / a)
+    p.bias += -(p.weight[:, :, 0, 0] @ (b / a))
+    p.weight /= a[None, :, None, None]
+
+
+# -- 2. data ---------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def encode_latents(vae: QwenImage21VAE, batch: torch.Tensor) -> torch.Tensor:
+    """`(N, 4, H, W)` pixels -> `(N, h*w, 64)` normalised packed tokens, as the sampler reads a target."""
+    out = []
+    for i in range(0, len(batch), 32):
+        normalised = RELEASED_LATENT_FORMAT.normalize(vae.encode(batch[i : i + 32]).float())
+        out.append(normalised.flatten(2).transpose(1, 2))
+    return torch.cat(out)
+
+
+def build_data(vae, text_encoder, sizes: dict, rng: random.Random, log) -> list[tuple]:
+    """(conditioning, target tokens, kind) for every training example."""
+    captions = {}
+
+    def condition(caption):
+        if caption not in captions:
+            captions[caption] = encode_prompt(text_encoder, caption)
+        return captions[caption]
+
+    scenes = [random_scene(rng) for _ in range(sizes["t2i"])]
+    scenes += [random_scene(rng, two_shapes=True) for _ in range(sizes["two_shape"])]
+    targets = encode_latents(vae, torch.stack([pixels(s.render()) for s in scenes]))
+    data = [(condition(s.caption(rng.randrange(3) if len(s.items) == 1 else 0)), t, "t2i")
+            for s, t in zip(scenes, targets)]
+    log(f"data: {len(scenes)} text-to-image scenes, {len(captions)} distinct captions")
+    edits = [random_edit(rng) for _ in range(sizes["edits"])]
+    targets = encode_latents(vae, torch.stack([pixels(e.target.render()) for e in edits]))
+    for edit, target in zip(edits, targets):
+        reference = encode_prepared(vae, prepare_reference(edit.source.render(), resolution=0))
+        data.append((encode_prompt(text_encoder, edit.instruction, [reference]), target, edit.kind))
+    log(f"data: {len(edits)} edit pairs")
+    return data
+
+
+# -- 3. DiT ----------------------------------------------------------------------------------------------------
+def new_dit(seed: int) -> QwenImage21DiT:
+    """Small normal weights, adaLN-zero: the modulation and the output projection start at 0, so every block
+    starts as the identity and the first prediction is 0."""
+    generator = torch.Generator().manual_seed(seed)
+    dit = QwenImage21DiT(TOY_DIT)
+    with torch.no_grad():
+        for name, p in dit.named_parameters():
+            if name in ("modulation.weight", "proj_out.weight", "norm_out.weight"):
+                p.zero_()
+            elif name.endswith(("norm_q", "norm_k")):
+                p.fill_(1.0)
+            elif name == "txt_in.text_norm.weight":
+                p.zero_()  # stored as scale - 1
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    return dit.requires_grad_(True)
+
+
+def training_sigmas(count: int, generator, centre: float = 0.0) -> torch.Tensor:
+    """Logit-normal u around `centre`, shifted as the Base schedule shifts a 256x256 target (exponential, mu at
+    256 tokens)."""
+    u = torch.sigmoid(torch.randn(count, generator=generator) + centre)
+    shift = math.exp(schedule_mu(GRID[0] * GRID[1]))
+    return shift / (shift + 1 / u - 1)
+
+
+def velocity(dit, x, sigma, conditions):
+    prefixes = [PrefixInputs(layout=c.layout(GRID), text=c.text, references=c.references) for c in conditions]
+    return dit(x, sigma, prefixes, sample_prefix=list(range(len(conditions))))
+
+
+def ema_update(ema, model, step: int) -> None:
+    decay = min(0.998, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.lerp_(p, 1 - decay)
+
+
+def train_dit(data, null, steps: int, batch: int, log, checkpoint=None, start=None, seed: int = 3, peak: float = 4e-4,
+              centre: float = 0.0) -> tuple[QwenImage21DiT, float]:
+    """Flow matching from `start` (a DiT to go on from; default a new one). `centre` moves the sigmas up: the
+    refine phase trains mostly where the picture is still noise, where only the prompt says what to draw (the first
+    phase learns to draw shapes before it learns to read: its pictures ignored the prompt)."""
+    generator = torch.Generator().manual_seed(seed)
+    dit = new_dit(2) if start is None else copy.deepcopy(start).requires_grad_(True)
+    ema = copy.deepcopy(dit).requires_grad_(False)
+    opt = torch.optim.AdamW(dit.parameters(), lr=peak, betas=(0.9, 0.99), weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine(step, steps, peak, 100)
+        pick = torch.randint(len(data), (batch,), generator=generator).tolist()
+        drop = (torch.rand(batch, generator=generator) < 0.1).tolist()
+        conditions = [null if d and data[i][2] == "t2i" else data[i][0] for i, d in zip(pick, drop)]
+        x0 = torch.stack([data[i][1] for i in pick])
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = training_sigmas(batch, generator, centre)
+        xs = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
+        loss = F.mse_loss(velocity(dit, xs, sigma, conditions), noise - x0)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
+        opt.step()
+        ema_update(ema, dit, step)
+        losses.append(loss.item())
+        if step % 100 == 0 or step == steps - 1:
+            log(f"dit {step:5d}/{steps} loss {sum(losses[-100:]) / len(losses[-100:]):.4f}")
+        if checkpoint is not None and (step + 1) % 500 == 0:
+            checkpoint(ema)  # the EMA so far, to look at while training goes on
+    return ema, sum(losses[-100:]) / len(losses[-100:])
+
+
+# -- 4. Turbo --------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def teacher_paths(teacher, data, null, count: int, batch: int) -> list[tuple]:
+    """Base's Euler trajectories through the stored sigmas (5 substeps per interval, 10 in the last, which ends
+    at 0): `(conditioning, x at each stored sigma + the end)`."""
+    generator = torch.Generator().manual_seed(4)
+    sigmas = list(TURBO_SIGMAS) + [0.0]
+    paths = []
+    for _ in range(0, count, batch):
+        pick = torch.randint(len(data), (batch,), generator=generator).tolist()
+        conditions = [data[i][0] for i in pick]
+        x = torch.randn(batch, GRID[0] * GRID[1], 64, generator=generator)
+        points = [x]
+        for hi, lo in zip(sigmas[:-1], sigmas[1:]):
+            sub = 10 if lo == 0 else 5
+            for k in range(sub):
+                s, s_next = hi + (lo - hi) * k / sub, hi + (lo - hi) * (k + 1) / sub
+                v = velocity(teacher, x, torch.full((batch,), s), conditions)
+                x = x + (s_next - s) * v
+            points.append(x)
+        paths += [(conditions[b], torch.stack([p[b] for p in points])) for b in range(batch)]
+    return paths
+
+
+def train_turbo(base, paths, steps: int, batch: int, log) -> tuple[QwenImage21DiT, float]:
+    generator = torch.Generator().manual_seed(5)
+    student = copy.deepcopy(base).requires_grad_(True)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)
+    sigmas = torch.tensor(list(TURBO_SIGMAS) + [0.0])
+    losses = []
+    for step in range(steps):
+        pick = torch.randint(len(paths), (batch,), generator=generator).tolist()
+        hop = torch.randint(len(TURBO_SIGMAS), (batch,), generator=generator)
+        x = torch.stack([paths[i][1][h] for i, h in zip(pick, hop.tolist())])
+        x_next = torch.stack([paths[i][1][h + 1] for i, h in zip(pick, hop.tolist())])
+        s, s_next = sigmas[hop], sigmas[hop + 1]
+        target = (x_next - x) / (s_next - s)[:, None, None]  # the one step that lands where Base's many land
+        loss = F.mse_loss(velocity(student, x, s, [paths[i][0] for i in pick]), target)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            log(f"turbo {step:4d}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.4f}")
+    return student.requires_grad_(False), sum(losses[-50:]) / len(losses[-50:])
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+def bf16_copy(module: torch.nn.Module) -> dict:
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()}
+
+
+def train(out: Path, sizes: dict, log=print, resume: Path | None = None) -> dict:
+    """All phases; `resume` (a folder with this run's VAE and first-phase Base) skips the VAE and the first DiT
+    phase, drawing the same random numbers, so the result is the same as a run from the start."""
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    rng = random.Random(0)
+    timings, started = {}, time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:  # the demo's seeded text encoder, frozen
+        text_encoder = load_text_encoder(write_tiny_checkpoints(Path(tmp))["text_encoder"], weight_dtype="fp32")
+    text_encoder.model.requires_grad_(False)
+
+    scenes = [random_scene(rng, two_shapes=rng.random() < 0.2) for _ in range(sizes["vae_images"])]
+    centres = [rng.choice(scene.items).centre for scene in scenes]
+    out.mkdir(parents=True, exist_ok=True)
+    if resume is None:
+        images = torch.stack([pixels(scene.render()) for scene in scenes])
+        vae = train_vae(images, centres, sizes["vae_steps"], log)
+        fit_latent_space(vae, images)
+        save_file(vae_to_diffusers(bf16_copy(vae), TOY_VAE), out / VAE_FILE)
+    else:
+        vae = QwenImage21VAE(TOY_VAE)
+        vae.load_state_dict({k: v.view_as(vae.state_dict()[k]) for k, v in load_file(resume / VAE_FILE).items()
+                             if k in vae.state_dict()})
+        vae.requires_grad_(False).eval()
+    vae.load_state_dict({k: v.float() for k, v in bf16_copy(vae).items()})  # the committed (bf16) weights
+    timings["vae_s"] = time.perf_counter() - started
+
+    data = build_data(vae, text_encoder, sizes, rng, log)
+    null = encode_prompt(text_encoder, "")
+    timings["data_s"] = time.perf_counter() - started - sum(timings.values())
+
+    def checkpoint(ema):
+        save_file(dit_to_diffusers(bf16_copy(ema)), out / BASE_FILE)
+
+    if resume is None:
+        first, first_loss = train_dit(data, null, sizes["dit_steps"], sizes["batch"], log, checkpoint)
+        save_file(dit_to_diffusers(bf16_copy(first)), out / FIRST_FILE)
+    else:
+        first = new_dit(2)
+        first.load_state_dict(diffusers_to_dit(load_file(resume / FIRST_FILE)))
+    first.load_state_dict({k: v.float() for k, v in bf16_copy(first).items()})
+    timings["dit_s"] = time.perf_counter() - started - sum(timings.values())
+    base, dit_loss = train_dit(data, null, sizes["refine_steps"], sizes["batch"], log, checkpoint, start=first, seed=6,
+                               peak=5e-4, centre=1.0)
+    base.load_state_dict({k: v.float() for k, v in bf16_copy(base).items()})
+    save_file(dit_to_diffusers(bf16_copy(base)), out / BASE_FILE)
+    timings["refine_s"] = time.perf_counter() - started - sum(timings.values())
+
+    paths = teacher_paths(base, data, null, sizes["turbo_paths"], sizes["batch"])
+    turbo, turbo_loss = train_turbo(base, paths, sizes["turbo_steps"], sizes["batch"], log)
+    timings["turbo_s"] = time.perf_counter() - started - sum(timings.values())
+
+    save_file(dit_to_diffusers(bf16_copy(turbo)), out / TURBO_FILE)
+    record = dict(sizes=sizes, seconds={k: round(v, 1) for k, v in timings.items()},
+                  total_s=round(time.perf_counter() - started, 1), final_loss=dict(first=None if resume else
+                  round(first_loss, 5), dit=round(dit_loss, 5),
+                  turbo=round(turbo_loss, 5)), torch=torch.__version__, threads=torch.get_num_threads(),
+                  command="python demo/train_toy.py", resumed=resume is not None)
+    (out / LOG_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    log(json.dumps(record))
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=TOY_DIR, help="where the files go (default demo/toy/)")
+    parser.add_argument("--quick", action="store_true", help="a few steps of every phase (tests, smoke runs)")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="a folder with this run's vae and first-phase DiT: go on from there (same result)")
+    args = parser.parse_args(argv)
+    train(args.out, QUICK if args.quick else FULL, log=lambda line: print(line, flush=True), resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
