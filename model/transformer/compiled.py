@@ -21,6 +21,8 @@ filling, marked as static addresses so a replay reads them in place instead of c
 is the same as `"blocks"`.
 """
 
+import weakref
+
 import torch
 import torch.fx.experimental._config as shape_config
 
@@ -57,6 +59,7 @@ class CompiledBlocks:
             raise ValueError(f"compile mode must be one of {COMPILE_MODES[1:]}, got {mode!r}.")
         self.mode, self.backend = mode, backend
         self._compiled = {}
+        self._warm = weakref.WeakKeyDictionary()  # block -> (dtype, device) it last ran eagerly with
 
     def takes(self, rows, kv: LayerKV | None) -> bool:
         """Whether these inputs run compiled (module docstring: a host cache and the flex prefill run eagerly)."""
@@ -69,6 +72,12 @@ class CompiledBlocks:
         return self.mode == "blocks+cudagraphs" and rows.mode == "cached" and device.type == "cuda"
 
     def __call__(self, block, x, mods, rows, kv, drop_prefix):
+        # A block's first call on a dtype and device runs eagerly: what it builds lazily (a LoRA branch's stacked
+        # pairs per row range) is then in place before a graph is traced, so no graph guards on the empty state and
+        # is traced again when it fills.
+        if self._warm.get(block) != (x.dtype, x.device):
+            self._warm[block] = (x.dtype, x.device)
+            return block.run(x, mods, rows, kv, drop_prefix)
         graphed = self.graphed(rows, x.device)
         key = (rows.mode, graphed)
         fn = self._compiled.get(key)
