@@ -8,9 +8,9 @@ bookkeeping (`ControlStream.after_base_block`) and weight streaming (forward hoo
 what it is handed (`Rows`: tensors, ints and tuples; `LayerKV`: that layer's views of the prefix cache), so one graph
 serves every layer; the prefill's per-segment attention is one opaque operator (`attention.block_causal_attention`).
 
-Per mode one compiled function with a cache of its own (`uncached`, `prefill`, `cached`): a run makes three graphs,
-the prefill's blocks, its last block (which drops the prefix rows) and the cached steps' blocks, and a ControlNet
-block adds its own (its class is part of the guards). A block the graphs cannot take runs eagerly (`takes`): a
+Per mode (and last block or not) one compiled function with a cache of its own: a run makes three graphs, the
+prefill's blocks, its last block (which drops the prefix rows) and the cached steps' blocks, and a ControlNet block
+adds its own (its class is part of the guards). A block the graphs cannot take runs eagerly (`takes`): a
 host-side prefix cache (its slot ring fetches by layer) and the flex prefill (its kernel is compiled on CUDA by
 itself, attention.py).
 
@@ -31,21 +31,34 @@ from .prefix_cache import LayerKV
 COMPILE_MODES = ("off", "blocks", "blocks+cudagraphs")
 
 
+# One function per mode and per last block or not, each a code object of its own, because dynamo keeps its compiled
+# graphs per code object and gives each at most `recompile_limit` (8) before it silently runs that code eagerly. What
+# still makes new graphs within one is what a Python loop in a block unrolls (one prompt or two with CFG; one
+# sample or several) and the block's class (a ControlNet block): at most 2 x 2 x 2 = 8.
 def _uncached(block, x, mods, rows, kv, drop_prefix):
     # a fresh buffer instead of updating `x` in place: a graph that mutates an input copies it back, and CUDA
     # graphs refuse it; inductor fuses the clone into the first residual add
     return block.run(x.clone(), mods, rows, kv, drop_prefix)
 
 
-def _prefill(block, x, mods, rows, kv, drop_prefix):  # separate code objects: a recompile cache per mode
+def _uncached_last(block, x, mods, rows, kv, drop_prefix):
     return block.run(x.clone(), mods, rows, kv, drop_prefix)
 
 
-def _cached(block, x, mods, rows, kv, drop_prefix):
+def _prefill(block, x, mods, rows, kv, drop_prefix):
     return block.run(x.clone(), mods, rows, kv, drop_prefix)
 
 
-_RUNS = {"uncached": _uncached, "prefill": _prefill, "cached": _cached}
+def _prefill_last(block, x, mods, rows, kv, drop_prefix):
+    return block.run(x.clone(), mods, rows, kv, drop_prefix)
+
+
+def _cached(block, x, mods, rows, kv, drop_prefix):  # a cached step has no prefix rows to drop: no last variant
+    return block.run(x.clone(), mods, rows, kv, drop_prefix)
+
+
+_RUNS = {("uncached", False): _uncached, ("uncached", True): _uncached_last, ("prefill", False): _prefill,
+         ("prefill", True): _prefill_last, ("cached", False): _cached}
 
 
 class CompiledBlocks:
@@ -79,11 +92,12 @@ class CompiledBlocks:
             self._warm[block] = (x.dtype, x.device)
             return block.run(x, mods, rows, kv, drop_prefix)
         graphed = self.graphed(rows, x.device)
-        key = (rows.mode, graphed)
+        key = (rows.mode, drop_prefix, graphed)
         fn = self._compiled.get(key)
         if fn is None:
             options = {"mode": "reduce-overhead"} if graphed else {}
-            fn = self._compiled[key] = torch.compile(_RUNS[rows.mode], dynamic=True, backend=self.backend, **options)
+            fn = self._compiled[key] = torch.compile(_RUNS[rows.mode, drop_prefix], dynamic=True, backend=self.backend,
+                                                     **options)
         if graphed:
             _mark_static(kv)
         if x._base is not None:  # the first block's input may be a view (of the embedded target): a graph traced for
