@@ -17,6 +17,7 @@ import controlnet_fixtures as cf
 from dit_fixtures import Case, reference_velocity
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
+from qi21.model.loaders.dit import load_dit
 from qi21.model.loaders.lora import apply_lora, clone_tree
 from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.memory.streaming import StreamedRun
@@ -206,3 +207,25 @@ def test_streamed_blocks_run_compiled_bit_for_bit_and_without_recompiles(dit_pai
                                   new_cache=run.new_cache).latents)
     assert torch.equal(latents[2], latents[1])
     assert dynamo["stats"]["unique_graphs"] == 3 and not dynamo["graph_break"]
+
+
+@pytest.mark.parametrize("kind", ["int8_convrot", "w4a8"])  # fp8, NVFP4, GGUF: traced clean too (docs/measurements.md)
+def test_quantized_weight_formats_run_inside_the_compiled_block(tmp_path, kind, dynamo):
+    """On a CPU these layers dequantize right before their GEMMs (test_quantized.py); that runs inside the graph, with
+    no break, and gives eager's numbers. (On a GPU their comfy-kitchen kernels are not measured: no device here.)"""
+    pytest.importorskip("comfy_kitchen")
+    from test_quantized import write_dit  # noqa: PLC0415 (the quantized files of that suite, written the same way)
+
+    path, _, _ = write_dit(tmp_path, f"qwen_image_2.1_{kind}.safetensors", kind)
+    eager, model = load_dit(path, weight_dtype="fp32"), load_dit(path, weight_dtype="fp32")
+    compile_blocks(model, "blocks", "eager")
+    _, prefixes, target = Case(refs=((4, 4),), target=(4, 6), runs=(5, 7)).make(context_dim=model.config.context_in_dim)
+    t = torch.tensor([0.7])
+    with torch.no_grad():
+        velocities = []
+        for dit in (eager, model):
+            cache = PrefixKVCache()
+            dit(target, t, prefixes, cache=cache, mode="prefill")  # the compiled model's blocks: eagerly, once
+            velocities.append(dit(target, t / 2, prefixes, cache=cache, mode="cached"))
+    assert dynamo["stats"]["unique_graphs"] == 1 and not dynamo["graph_break"]
+    torch.testing.assert_close(velocities[1], velocities[0], rtol=0, atol=1e-5)
