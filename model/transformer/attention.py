@@ -18,6 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .custom_ops import op_name
 from .layout import SequenceLayout
 
 try:
@@ -65,7 +66,7 @@ def segment_table(segments) -> torch.Tensor:
     return torch.tensor([(start, end, int(is_text)) for start, end, is_text in segments], dtype=torch.int64)
 
 
-@torch.library.custom_op("qi21::block_causal_attention", mutates_args=())
+@torch.library.custom_op(op_name("block_causal_attention"), mutates_args=())
 def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     """`prefix_attention_sdpa` over rows `first_row:` = `len(k) - len(q)` (0 for a whole prefix), with the segments
     as a `segment_table`. One opaque operator, eager and compiled alike: its Python loop over segments would

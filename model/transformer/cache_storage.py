@@ -20,6 +20,7 @@ included. comfy-kitchen is imported on first use; without it `int8` / `int4` are
 import torch
 
 from ..layers.formats import kitchen
+from .custom_ops import op_name
 
 CACHE_DTYPES = ("default", "int8", "int4")
 CACHE_DEVICES = ("auto", "gpu", "cpu", "off")
@@ -70,12 +71,12 @@ class QuantizedRows:
 
     def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """Quantize `rows` `(n, W)` into `out` `(n, row_bytes)` uint8 (quantized bytes, then the fp32 scale); through
-        the `qi21::cache_rows_encode` operator (module end)."""
+        the `cache_rows_encode` operator (module end)."""
         encode_rows(rows, out, self.name)
 
     def decode(self, stored: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
         """`(n, W)` rows in `dtype` from `stored` `(n, row_bytes)` uint8 (a row range of a payload); through the
-        `qi21::cache_rows_decode` operator (module end)."""
+        `cache_rows_decode` operator (module end)."""
         return decode_rows(stored, width, dtype, self.name)
 
     def _encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -123,12 +124,12 @@ class QuantizedRows:
 # matrices in a module dict: traced inside a compiled block (model/transformer/compiled.py) that breaks the graph
 # and recompiles it. As operators the quantized cache's reads and writes are opaque to the tracer, eager and compiled
 # alike, and the graph around them stays whole.
-@torch.library.custom_op("qi21::cache_rows_encode", mutates_args=("out",))
+@torch.library.custom_op(op_name("cache_rows_encode"), mutates_args=("out",))
 def encode_rows(rows: torch.Tensor, out: torch.Tensor, name: str) -> None:
     QuantizedRows(name)._encode(rows, out)
 
 
-@torch.library.custom_op("qi21::cache_rows_decode", mutates_args=())
+@torch.library.custom_op(op_name("cache_rows_decode"), mutates_args=())
 def decode_rows(stored: torch.Tensor, width: int, dtype: torch.dtype, name: str) -> torch.Tensor:
     return QuantizedRows(name)._decode(stored, width, dtype)
 

@@ -21,10 +21,10 @@ filling, marked as static addresses so a replay reads them in place instead of c
 is the same as `"blocks"`.
 """
 
+import contextlib
 import weakref
 
 import torch
-import torch.fx.experimental._config as shape_config
 
 from .prefix_cache import LayerKV
 
@@ -110,6 +110,12 @@ class CompiledBlocks:
 
 
 def _no_duck_shapes():
+    try:  # a private setting: where this torch has none, its default (duck sizing) stays
+        from torch.fx.experimental import _config as shape_config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(shape_config, "use_duck_shape"):
+        return contextlib.nullcontext()
     return shape_config.patch(use_duck_shape=False)
 
 
