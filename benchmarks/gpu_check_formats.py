@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 import bench_gguf
 import bench_lora
 import bench_quantized
-from gpu_check import Check, dit_calls, rel_diff, table
+from gpu_check_common import Check, dit_calls, rel_diff, table
 from qi21.model.layers.kitchen import gemm_summary
 from qi21.model.layers.linear import Linear
 from qi21.model.loaders.dit import load_dit

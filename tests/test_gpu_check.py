@@ -35,6 +35,9 @@ def test_the_dry_run_reaches_every_path_and_every_path_matches(gpu_check, capsys
     assert "host ms to issue" in out
     for name in ("int8_convrot", "fp8", "w4a8", "Q8_0", "Q4_K", "LoRA", "host", "streamed 0/4", "n/a (CPU)"):
         assert name in out, name
+    compiled = {r["path"]: r for r in results["compiled"]["rows"]}
+    assert set(compiled) == {"ours eager", "diffusers", "compiled", "compiled + CUDA graphs"}
+    assert compiled["compiled"]["rel_diff"] <= 1e-5 and compiled["compiled + CUDA graphs"]["rel_diff"] <= 1e-5
 
 
 def test_a_failing_section_is_reported_and_the_others_still_run(gpu_check, monkeypatch, capsys):

@@ -189,7 +189,12 @@ def apply_controlnet(model, net: FunControlNet, hint_for, strength: float = 1.0,
                          "takes a control image and an inpaint mask together).")
     layers = net.check_fits(model.config, net.source or "the control net")
     new = clone_tree(model)
-    new.add_module("control_net", net)  # counted, moved and offloaded with the model (the copy's own child list)
+    stream_net = net
+    if model.blocks[0].compiled is not None:  # the control blocks run the model's compiled forward (compiled.py);
+        stream_net = clone_tree(net)  # set on a copy: the loaded net may also serve an uncompiled model
+        for block in stream_net.blocks:
+            block.compiled = model.blocks[0].compiled
+    new.add_module("control_net", stream_net)  # counted, moved and offloaded with the model (the copy's own child list)
     new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object
     new.control = ControlPatch(net, strength, start_percent, end_percent, hint_for, model, layers,
                                name=net.source or "", inputs=tuple(inputs))

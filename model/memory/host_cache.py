@@ -109,9 +109,15 @@ class HostPrefixKVCache(PrefixKVCache):
 
 
 class HostLayerKV(LayerKV):
-    """One layer of a `HostPrefixKVCache`: `store` copies out to the host, `read` returns device tensors."""
+    """One layer of a `HostPrefixKVCache`: `store` copies out to the host, `read` returns device tensors. Unlike the
+    device cache's views it keeps the layer number: a read goes through the slot ring, which fetches by layer (a
+    block reading it runs uncompiled, `LayerKV.compilable`)."""
 
-    __slots__ = ()
+    __slots__ = ("cache", "layer")
+    compilable = False
+
+    def __init__(self, cache: HostPrefixKVCache, layer: int):
+        self.cache, self.layer = cache, layer
 
     def store(self, group: int, key: torch.Tensor, value: torch.Tensor) -> None:
         self.cache._store(group, self.layer, key, value)

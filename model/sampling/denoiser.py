@@ -73,11 +73,14 @@ class FlowModelSampling:
 
 
 def sigma_rows(sigma, batch: int) -> torch.Tensor:
-    """A sampler's sigma (a float, a 0-d tensor or one per sample) as fp32 `(batch,)` on the CPU."""
-    sigma = torch.as_tensor(sigma, dtype=torch.float32).detach().to("cpu").reshape(-1)
+    """A sampler's sigma (a float, a 0-d tensor or one per sample) as fp32 `(batch,)`, where it was given (a
+    float: on the CPU). A sigma on a GPU stays there: reading it here would be a host sync on every model call, which
+    also keeps a cached step from running as a CUDA graph; its values are checked on the host only when it is there
+    (a NaN sigma on a GPU shows up as NaN latents, which the loop's finite check reports)."""
+    sigma = torch.as_tensor(sigma).detach().to(torch.float32).reshape(-1)
     if sigma.numel() not in (1, batch):
         raise ValueError(f"the sampler passed {sigma.numel()} sigmas for a batch of {batch}.")
-    if not torch.isfinite(sigma).all() or (sigma < 0).any():
+    if sigma.device.type == "cpu" and (not torch.isfinite(sigma).all() or (sigma < 0).any()):
         raise ValueError(f"the sampler asked for the model at sigma {sigma.tolist()}; flow sigmas are >= 0.")
     return sigma.expand(batch)
 
@@ -90,11 +93,13 @@ class FlowDenoiser:
     loop's, which owns the cache ("prefill" until the cache that sigma reads is filled, then "cached"; "uncached"
     with the cache off), whatever sigma a sampler asks for and however many calls a step makes. `on_call(info)` runs
     after every call (progress, previews, interrupt); `clock`/`modes` record the calls' times and modes for the
-    report."""
+    report. `mode_of` and `forward` get sigma as a float only when `reads_sigma` (a control window decides by it);
+    otherwise they get None and a sigma on the GPU is never copied to the host."""
 
     def __init__(self, forward, *, dtype, device, use_cfg: bool, cfg: float, grid, mode_of, clock=None, modes=None,
-                 on_call=None):
+                 on_call=None, reads_sigma: bool = True):
         self.forward, self.dtype, self.device, self.mode_of = forward, dtype, device, mode_of
+        self.reads_sigma = reads_sigma
         self.use_cfg, self.cfg, self.grid = use_cfg, float(cfg), tuple(grid)
         self.clock, self.modes = clock, modes if modes is not None else []
         self.on_call = on_call
@@ -115,13 +120,14 @@ class FlowDenoiser:
                              f"{self.grid[0]}, {self.grid[1]}).")
         batch = x.shape[0]
         sig = sigma_rows(sigma, batch)
-        mode = self.mode_of(float(sig[0]))
+        host_sigma = float(sig[0]) if self.reads_sigma else None
+        mode = self.mode_of(host_sigma)
         self.modes.append(mode)
         started = self.clock.start() if self.clock is not None else time.perf_counter()
         packed = rearrange(x, "b c h w -> b (h w) c").to(device=self.device, dtype=self.dtype)
         t = transformer_timestep(sig, self.dtype).to(self.device)  # rounded through the dtype, as the reference
         t = torch.cat([t, t]) if self.use_cfg else t
-        v = self.forward(packed, t, mode, float(sig[0]))
+        v = self.forward(packed, t, mode, host_sigma)
         v_pos = v_neg = v
         if self.use_cfg:
             v_pos, v_neg = v.chunk(2)
@@ -138,7 +144,7 @@ class FlowDenoiser:
             self.clock.stop(started)
         if self.on_call is not None:
             step = self.step if self.total_steps is None else min(self.step, self.total_steps - 1)
-            self.on_call(CallInfo(self.calls - 1, step, self.total_steps, float(sig[0]), guided))
+            self.on_call(CallInfo(self.calls - 1, step, self.total_steps, sig[0], guided))
         return guided, cond, uncond
 
     def step_done(self, step: int) -> None:
@@ -148,12 +154,16 @@ class FlowDenoiser:
 
 class CallInfo:
     """One model call, for progress and previews: `step` is the sampler step it belongs to (0-based), `denoised`
-    the guided x0 `(B, 64, h, w)` fp32."""
+    the guided x0 `(B, 64, h, w)` fp32, `sigma` a float (read from the device only when asked for)."""
 
-    __slots__ = ("call", "step", "total", "sigma", "denoised")
+    __slots__ = ("call", "step", "total", "_sigma", "denoised")
 
     def __init__(self, call, step, total, sigma, denoised):
-        self.call, self.step, self.total, self.sigma, self.denoised = call, step, total, sigma, denoised
+        self.call, self.step, self.total, self._sigma, self.denoised = call, step, total, sigma, denoised
+
+    @property
+    def sigma(self) -> float:
+        return float(self._sigma)
 
 
 def run_sampler(sampler, denoiser: FlowDenoiser, sigmas: torch.Tensor, noise: torch.Tensor,

@@ -18,6 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .custom_ops import op_name
 from .layout import SequenceLayout
 
 try:
@@ -59,12 +60,25 @@ def prefix_attention_sdpa(q, k, v, segments, first_row: int = 0) -> torch.Tensor
     return torch.cat(outputs, dim=1)[0]
 
 
-def chunk_attention(q, k, v, context, segments, first_row: int) -> torch.Tensor:
-    """Block-causal attention of the prefix rows `first_row:` (`q`, `k`, `v` of those rows) over the reused rows
-    before them (`context`: `[(k, v), ...]` parts covering rows `0:first_row`) and themselves."""
-    keys = torch.cat([part_k for part_k, _ in context] + [k])
-    values = torch.cat([part_v for _, part_v in context] + [v])
-    return prefix_attention_sdpa(q, keys, values, segments, first_row)
+def segment_table(segments) -> torch.Tensor:
+    """A layout's `segments` `[(start, end, is_text), ...]` as a `(n, 3)` int64 CPU tensor, what
+    `block_causal_attention` takes."""
+    return torch.tensor([(start, end, int(is_text)) for start, end, is_text in segments], dtype=torch.int64)
+
+
+@torch.library.custom_op(op_name("block_causal_attention"), mutates_args=())
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """`prefix_attention_sdpa` over rows `first_row:` = `len(k) - len(q)` (0 for a whole prefix), with the segments
+    as a `segment_table`. One opaque operator, eager and compiled alike: its Python loop over segments would
+    otherwise be unrolled into a compiled block's graph, and a prompt with another number of references would
+    recompile it; as a tensor the segment count is just a dynamic size."""
+    table = [(start, end, bool(is_text)) for start, end, is_text in segments.tolist()]
+    return prefix_attention_sdpa(q, k, v, table, k.shape[0] - q.shape[0]).contiguous()
+
+
+@block_causal_attention.register_fake
+def _(q, k, v, segments):
+    return q.new_empty(q.shape)
 
 
 _warned_eager_flex = False

@@ -1,7 +1,6 @@
 """One block of the Qwen-Image 2.1 DiT, the row buffer it runs over (`Rows`) and the DiT's config: the part a
 second stream of the same blocks (the Fun ControlNet, controlnet.py) shares with the DiT (dit.py)."""
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..layers.linear import Linear
-from .attention import target_attention
+from .attention import block_causal_attention, prefix_attention_flex, target_attention
 from .prefix_cache import LayerKV
 from .rope import apply_rope
 
@@ -70,12 +69,17 @@ class Rows:
         samples, target_len: the target rows are `samples` runs of `target_len` rows, after the chunks.
         readers: per prefix, the samples attending to it (a slice when they are consecutive, else a list).
         prefix_mod_rows: per chunk, its row of the modulation table (the t = 0 row under causal_condition).
-        rope: `(rows, head_dim / 2)` complex rotations in buffer order.
-        prefix_attention: `(c, q, k, v, kv=None) -> out` block-causal attention of chunk c (a whole prefix needs
-            no `kv`); None in cached steps.
+        rope: `(rows, head_dim / 2, 2)` fp32 `[cos, sin]` rotations in buffer order (`rope.rope_rotations`).
         chunk_groups: the prefix of each chunk.
         whole: per prefix, the chunk holding all its rows (its keys are read from the buffer), else None (read
             from the cache).
+        chunk_segments: per chunk, its prefix's segments as an `attention.segment_table` (the sdpa backend).
+        chunk_first: per chunk, the prefix rows before it (read from the cache), 0 for a whole prefix.
+        chunk_masks: per chunk, its flex block mask (a whole prefix on the flex backend), else None; empty when
+            no chunk has one.
+
+    Everything a block reads here is tensors, ints and tuples of them, no closures and no layouts, so a compiled
+    block guards on nothing that changes with the prompt (`compiled.py`).
     """
 
     mode: str
@@ -86,9 +90,11 @@ class Rows:
     readers: tuple
     prefix_mod_rows: tuple[int, ...]
     rope: torch.Tensor
-    prefix_attention: Callable | None = None
     chunk_groups: tuple[int, ...] = ()
     whole: tuple = ()
+    chunk_segments: tuple[torch.Tensor, ...] = ()
+    chunk_first: tuple[int, ...] = ()
+    chunk_masks: tuple = ()
 
     @property
     def target_start(self) -> int:
@@ -96,47 +102,63 @@ class Rows:
 
     def targets_only(self) -> "Rows":
         """The same rows after the prefix rows were dropped from the buffer (the last block does this)."""
-        return replace(self, prefix_spans=(), rope=self.rope[self.target_start :], prefix_attention=None,
-                       chunk_groups=(), whole=())
+        return replace(self, prefix_spans=(), rope=self.rope[self.target_start :], chunk_groups=(), whole=(),
+                       chunk_segments=(), chunk_first=(), chunk_masks=())
 
-    def modulate(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    def prefix_attention(self, c: int, q, k, v, kv=None) -> torch.Tensor:
+        """Block-causal attention of chunk c's rows `(n, heads, head_dim)`: a whole prefix over itself, a chunk
+        after a reused leading run over that run's keys and values (read from `kv`, this layer's cache) and itself."""
+        if self.chunk_masks and self.chunk_masks[c] is not None:
+            return prefix_attention_flex(q, k, v, self.chunk_masks[c])
+        first = self.chunk_first[c]
+        if first:
+            context = kv.read_parts(self.chunk_groups[c], first)
+            k = torch.cat([part_k for part_k, _ in context] + [k])
+            v = torch.cat([part_v for _, part_v in context] + [v])
+        return block_causal_attention(q, k, v, self.chunk_segments[c])
+
+    def modulate(self, x: torch.Tensor, factor: torch.Tensor, prefix: bool = True) -> torch.Tensor:
         """`x * factor` (`factor` = 1 + scale) with each row's own modulation row (prefix g: its row; sample b's
-        targets: row b)."""
+        targets: row b). `prefix=False`: `x` holds the target rows only (the last block after dropping the rest)."""
         if x.requires_grad or factor.requires_grad:  # training (demo/train_toy.py): autograd cannot follow out=
-            return self._per_row(x, factor)
+            return self._per_row(x, factor, prefix=prefix)
         out = torch.empty_like(x)
-        for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
-            torch.mul(x[start:end], factor[row], out=out[start:end])
-        target = x[self.target_start :].view(self.samples, self.target_len, -1)
-        torch.mul(target, factor[: self.samples, None], out=out[self.target_start :].view_as(target))
+        t0 = self.target_start if prefix else 0
+        if prefix:
+            for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
+                torch.mul(x[start:end], factor[row], out=out[start:end])
+        target = x[t0:].view(self.samples, self.target_len, -1)
+        torch.mul(target, factor[: self.samples, None], out=out[t0:].view_as(target))
         return out
 
-    def gated_add(self, x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    def gated_add(self, x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, prefix: bool = True):
         """`x + gate * update` (`gate` = tanh of the table's gate) with `modulate`'s row selection: in place into
         `x` (returned), or a new tensor when autograd records (it cannot follow an in-place sum into a saved `x`)."""
         if x.requires_grad or update.requires_grad:
-            return self._per_row(x, gate, update)
-        for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
-            x[start:end] += gate[row] * update[start:end]
-        target = x[self.target_start :].view(self.samples, self.target_len, -1)
-        target += gate[: self.samples, None] * update[self.target_start :].view_as(target)
+            return self._per_row(x, gate, update, prefix)
+        t0 = self.target_start if prefix else 0
+        if prefix:
+            for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
+                x[start:end] += gate[row] * update[start:end]
+        target = x[t0:].view(self.samples, self.target_len, -1)
+        target += gate[: self.samples, None] * update[t0:].view_as(target)
         return x
 
-    def _per_row(self, x: torch.Tensor, table: torch.Tensor, update: torch.Tensor | None = None) -> torch.Tensor:
+    def _per_row(self, x: torch.Tensor, table: torch.Tensor, update: torch.Tensor | None = None,
+                 prefix: bool = True) -> torch.Tensor:
         """The training path of `modulate` (`update` None: `x * table`) and `gated_add` (`x + table * update`), out
         of place with the same row selection and the same values; inference writes into preallocated buffers."""
         parts = []
-        spans = list(zip(self.prefix_spans, self.prefix_mod_rows))
-        for (start, end), row in spans:
+        for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows) if prefix else ():
             factor = table[row]
             parts.append(x[start:end] * factor if update is None else x[start:end] + factor * update[start:end])
-        start = self.target_start
-        target = x[start:].view(self.samples, self.target_len, -1)
+        t0 = self.target_start if prefix else 0
+        target = x[t0:].view(self.samples, self.target_len, -1)
         factor = table[: self.samples, None]
         if update is None:
             parts.append((target * factor).flatten(0, 1))
         else:
-            parts.append((target + factor * update[start:].view_as(target)).flatten(0, 1))
+            parts.append((target + factor * update[t0:].view_as(target)).flatten(0, 1))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -206,13 +228,24 @@ class Block(nn.Module):
             drop_prefix: return the target rows only (the last block: nothing reads the prefix rows' outputs,
                 only their keys and values were needed).
         Returns:
-            the updated buffer, `(rows, width)`, or the target rows only with `drop_prefix`.
+            the updated buffer, `(rows, width)`, or the target rows only with `drop_prefix`. Eagerly `x` is updated
+            in place and returned; a compiled block (`compiled`, set by `compiled.compile_blocks`) returns a new
+            buffer, so read the result, not `x`.
         """
-        heads, head_dim = self.num_heads, self.head_dim
-        factor1, gate1, factor2, gate2 = mods.chunk(4, dim=-1)
         if rows.mode != "uncached" and kv is None:
             raise ValueError(f"a {rows.mode} step needs this layer's prefix cache (kv).")
+        drop_prefix = drop_prefix and bool(rows.prefix_spans)  # a cached step has no prefix rows to drop
+        if self.compiled is not None and self.compiled.takes(rows, kv):
+            return self.compiled(self, x, mods, rows, kv, drop_prefix)
+        return self.run(x, mods, rows, kv, drop_prefix)
 
+    #: the compiled forward shared by every block (`compiled.CompiledBlocks`), or None to run eagerly
+    compiled = None
+
+    def run(self, x: torch.Tensor, mods: torch.Tensor, rows: Rows, kv: LayerKV | None, drop_prefix: bool):
+        """`forward`'s work, eager or traced: only tensor maths, so nothing in it breaks a compiled graph."""
+        heads, head_dim = self.num_heads, self.head_dim
+        factor1, gate1, factor2, gate2 = mods.chunk(4, dim=-1)
         q, k, v = self.qkv_heads(rows.modulate(layer_norm(x, self.eps), factor1), rows.rope)
         t0 = rows.target_start
         first_out = t0 if drop_prefix else 0
@@ -243,9 +276,11 @@ class Block(nn.Module):
                 attn_t[pick] = target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
 
         if drop_prefix:
-            x, rows = x[t0:], rows.targets_only()
-        x = rows.gated_add(x, gate1, self.to_out(attn.flatten(1)))
-        x = rows.gated_add(x, gate2, self.mlp(rows.modulate(layer_norm(x, self.eps), factor2)))
+            x = x[t0:]
+        keep = not drop_prefix  # after dropping them the buffer holds the target rows only
+        x = rows.gated_add(x, gate1, self.to_out(attn.flatten(1)), prefix=keep)
+        x = rows.gated_add(x, gate2, self.mlp(rows.modulate(layer_norm(x, self.eps), factor2, prefix=keep)),
+                           prefix=keep)
         if x.dtype == torch.float16:
             x = x.clamp_(-65504, 65504)
         return x

@@ -20,6 +20,7 @@ included. comfy-kitchen is imported on first use; without it `int8` / `int4` are
 import torch
 
 from ..layers.formats import kitchen
+from .custom_ops import op_name
 
 CACHE_DTYPES = ("default", "int8", "int4")
 CACHE_DEVICES = ("auto", "gpu", "cpu", "off")
@@ -69,7 +70,17 @@ class QuantizedRows:
         return TensorWiseINT8Layout if self.bits == 8 else TensorCoreConvRotW4A4Layout
 
     def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """Quantize `rows` `(n, W)` into `out` `(n, row_bytes)` uint8 (quantized bytes, then the fp32 scale).
+        """Quantize `rows` `(n, W)` into `out` `(n, row_bytes)` uint8 (quantized bytes, then the fp32 scale); through
+        the `cache_rows_encode` operator (module end)."""
+        encode_rows(rows, out, self.name)
+
+    def decode(self, stored: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """`(n, W)` rows in `dtype` from `stored` `(n, row_bytes)` uint8 (a row range of a payload); through the
+        `cache_rows_decode` operator (module end)."""
+        return decode_rows(stored, width, dtype, self.name)
+
+    def _encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """`encode`'s work.
 
         The rows go through the layout in blocks of `ENCODE_ROWS` (the last one padded with zero rows): the
         rotation is a GEMM, whose rounding may depend on how many rows it is given, and a fixed block makes a
@@ -90,8 +101,8 @@ class QuantizedRows:
             target[:, :cut].copy_(data[:count].view(torch.uint8))
             target[:, cut:].copy_(params.scale.reshape(-1, 1)[:count].to(torch.float32).view(torch.uint8))
 
-    def decode(self, stored: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """`(n, W)` rows in `dtype` from `stored` `(n, row_bytes)` uint8 (a row range of a payload)."""
+    def _decode(self, stored: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """`decode`'s work."""
         cut, layout, group = self.payload_bytes(width), self._layout(), rotation_group(width)
         out = torch.empty(stored.shape[0], width, dtype=dtype, device=stored.device)
         for first in range(0, stored.shape[0], DECODE_ROWS):  # blocks bound the layout's fp32 temporaries
@@ -107,6 +118,25 @@ class QuantizedRows:
                                        convrot_groupsize=group)
             out[first:first + block.shape[0]] = layout.dequantize(data, params)
         return out
+
+
+# comfy-kitchen picks its kernel backend per call through a registry behind a lock, and caches its rotation
+# matrices in a module dict: traced inside a compiled block (model/transformer/compiled.py) that breaks the graph
+# and recompiles it. As operators the quantized cache's reads and writes are opaque to the tracer, eager and compiled
+# alike, and the graph around them stays whole.
+@torch.library.custom_op(op_name("cache_rows_encode"), mutates_args=("out",))
+def encode_rows(rows: torch.Tensor, out: torch.Tensor, name: str) -> None:
+    QuantizedRows(name)._encode(rows, out)
+
+
+@torch.library.custom_op(op_name("cache_rows_decode"), mutates_args=())
+def decode_rows(stored: torch.Tensor, width: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    return QuantizedRows(name)._decode(stored, width, dtype)
+
+
+@decode_rows.register_fake
+def _(stored, width, dtype, name):
+    return stored.new_empty((stored.shape[0], width), dtype=dtype)
 
 
 def cache_storage(dtype: str = "default", what: str = "dtype") -> QuantizedRows | None:

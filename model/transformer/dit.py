@@ -28,17 +28,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layers.linear import Linear
-from .attention import (
-    ATTENTION_BACKENDS,
-    chunk_attention,
-    flex_block_mask,
-    prefix_attention_flex,
-    prefix_attention_sdpa,
-)
+from .attention import ATTENTION_BACKENDS, flex_block_mask, segment_table
 from .block import Block, DiTConfig, Rows, block_modulation, layer_norm
+from .compiled import begin_step
 from .layout import SequenceLayout
 from .prefix_cache import PrefixKVCache
-from .rope import rope_angles
+from .rope import rope_rotations
 
 TIMESTEP_DIM = 256  # sinusoid width fed to the timestep MLP
 MODES = ("uncached", "prefill", "cached")
@@ -129,6 +124,7 @@ class QwenImage21DiT(nn.Module):
         self.compute_dtype = dtype or torch.float32
         self.source = None  # what the loader read (loaders.dit_keys.DiTSource); None for a model built in code
         self.manager = None  # the host's memory-management handle (nodes/bridge.py keeps ComfyUI's patcher here)
+        self.compile_mode = "off"  # compiled.COMPILE_MODES; set with compiled.compile_blocks
         width = config.width
         self.time_embed = TimestepEmbedding(width, device=device, dtype=dtype)
         self.txt_in = TextProjection(config.context_in_dim, width, config.eps, device=device, dtype=dtype)
@@ -170,6 +166,7 @@ class QwenImage21DiT(nn.Module):
         Returns:
             `(B, T, out_channels)` in the compute dtype.
         """
+        begin_step(self)
         extra = control.cache_layers if control is not None else 0
         x, mods, final_scale, rows = self.prepare(target, timestep, prefixes, sample_prefix, cache, mode, attention,
                                                   extra_cache_layers=extra)
@@ -249,11 +246,11 @@ class QwenImage21DiT(nn.Module):
             readers=_readers(sample_prefix, len(prefixes)),
             prefix_mod_rows=tuple(prefix_mod_rows[g] for g, _, _ in chunks),
             rope=self._rope(prefixes, sample_prefix, chunks, device),
-            prefix_attention=(
-                self._prefix_attention(prefixes, chunks, attention or self.attention, device) if chunks else None
-            ),
             chunk_groups=tuple(g for g, _, _ in chunks),
             whole=tuple(whole),
+            chunk_segments=tuple(segment_table(prefixes[g].layout.segments) for g, _, _ in chunks),
+            chunk_first=tuple(first for _, first, _ in chunks),
+            chunk_masks=self._flex_masks(prefixes, chunks, attention or self.attention, device),
         )
         return x, mods, final_scale, rows
 
@@ -280,7 +277,7 @@ class QwenImage21DiT(nn.Module):
             raise ValueError(f"mode={mode!r} needs a PrefixKVCache to {'fill' if mode == 'prefill' else 'read'}.")
 
     def _rope(self, prefixes, sample_prefix, chunks, device) -> torch.Tensor:
-        """The rotations of every buffer row, `(rows, head_dim / 2)` complex; built once per run and reused
+        """The rotations of every buffer row, `(rows, head_dim / 2, 2)` `[cos, sin]`; built once per run and reused
         by every step (layouts live for a run, so the memo sits on the first prefix's layout)."""
         axes, theta = self.config.axes_dims_rope, self.config.rope_theta
         layouts = tuple(p.layout for p in prefixes)
@@ -288,7 +285,7 @@ class QwenImage21DiT(nn.Module):
         def table(layout, part):
             positions = layout.prefix_positions if part == "prefix" else layout.target_positions
             key = ("rope", part, str(device), axes)
-            return layout.memo(key, lambda: rope_angles(positions.to(device), axes, theta))
+            return layout.memo(key, lambda: rope_rotations(positions.to(device), axes, theta))
 
         def build():
             parts = [table(layouts[g], "prefix")[first:end] for g, first, end in chunks]
@@ -317,29 +314,19 @@ class QwenImage21DiT(nn.Module):
             rows[layout.ref_dst.to(device)] = self.img_in(prefix.references.to(device=device, dtype=dtype))
         return rows
 
-    def _prefix_attention(self, prefixes, chunks, backend, device):
-        """`(c, q, k, v, kv) -> out` for chunk c. A whole prefix runs on `backend`; a chunk after a reused leading
-        run reads that run's keys and values from the cache (`kv`) and runs segment-wise on SDPA."""
+    def _flex_masks(self, prefixes, chunks, backend, device) -> tuple:
+        """Per chunk its flex block mask on the flex backend (a whole prefix only: a chunk after a reused leading
+        run runs segment-wise on SDPA), else None; `()` on the sdpa backend."""
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {backend!r}.")
-        masks = {}
-        if backend == "flex":
-            key = ("flex", str(device))
-            for g, first, _ in chunks:
-                if first == 0:
-                    layout = prefixes[g].layout
-                    masks[g] = layout.memo(key, lambda layout=layout: flex_block_mask(layout, device))
-
-        def attend(c, q, k, v, kv=None):  # kv: only a chunk after a held run reads it
-            g, first, _ = chunks[c]
-            segments = prefixes[g].layout.segments
-            if first:
-                return chunk_attention(q, k, v, kv.read_parts(g, first), segments, first)
-            if g in masks:
-                return prefix_attention_flex(q, k, v, masks[g])
-            return prefix_attention_sdpa(q, k, v, segments)
-
-        return attend
+        if backend != "flex":
+            return ()
+        key = ("flex", str(device))
+        return tuple(
+            prefixes[g].layout.memo(key, lambda layout=prefixes[g].layout: flex_block_mask(layout, device))
+            if first == 0 else None
+            for g, first, _ in chunks
+        )
 
     @staticmethod
     def _sample_prefix(sample_prefix, num_prefixes: int, samples: int) -> list[int]:

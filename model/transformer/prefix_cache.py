@@ -63,6 +63,7 @@ class PrefixKVCache:
         self.compute_dtype: torch.dtype | None = None  # what reads return (the dtype the prefill computed in)
         self._head_shape = None
         self._plan = None
+        self._views: dict[int, LayerKV] = {}  # layer -> its view; made again whenever the payload changes
 
     # -- planned reuse ----------------------------------------------------------------------------------------
     def plan(self, prefix_lens, bases) -> None:
@@ -143,10 +144,15 @@ class PrefixKVCache:
                                  f"needs ({layers}, 2, rows, {', '.join(map(str, row_shape))}) {stored} on {device}.")
         self.kv, self.parts, self.computed = tensors, tuple(parts), tuple(computed)
         self.compute_dtype, self._head_shape = dtype, (heads, head_dim)
+        self._views = {}
 
     def layer_kv(self, layer: int) -> "LayerKV":
-        """This cache as one block sees it: its own layer's keys and values."""
-        return LayerKV(self, layer)
+        """This cache as one block sees it: its own layer's keys and values, as views made once per filling (the
+        same object every step, so a cached step costs no slicing and its tensors keep their addresses)."""
+        view = self._views.get(layer)
+        if view is None:
+            view = self._views[layer] = LayerKV(self, layer)
+        return view
 
     def own_part(self, group: int):
         """`(tensor, start, end)` of the rows the prefill computes for `group` (its last part)."""
@@ -189,6 +195,7 @@ class PrefixKVCache:
             moved = {id(t): t.to(device) for t in self.kv}
             self.kv = [moved[id(t)] for t in self.kv]
             self.parts = tuple(tuple((moved[id(t)], s, e) for t, s, e in chain) for chain in self.parts)
+            self._views = {}
         return self
 
     def free(self) -> None:
@@ -198,6 +205,7 @@ class PrefixKVCache:
         self.prefix_lens = ()
         self.parts = ()
         self.computed = ()
+        self._views = {}
 
     def check_compatible(self, prefix_lens, layers: int, heads: int, head_dim: int) -> None:
         if self.kv is None:
@@ -217,35 +225,47 @@ class PrefixKVCache:
 
 
 class LayerKV:
-    """One layer's view of a `PrefixKVCache`: what a block fills in a prefill and reads in a cached step."""
+    """One layer's view of a `PrefixKVCache`: what a block fills in a prefill and reads in a cached step.
 
-    __slots__ = ("cache", "layer")
+    It holds that layer's rows of every part as tensors (`parts[g]`: prefix g's `[(k, v), ...]` in row order;
+    `own[g]`: the rows the prefill computes for g, or None), sliced once when the view is made. A block never
+    indexes the payload by a layer number: a compiled block would bake the number into its graph (one graph per
+    layer), while views of the same shapes give every layer the same graph.
+    """
+
+    __slots__ = ("parts", "own", "storage", "head_shape", "compute_dtype")
+    #: whether a compiled block may take this view (a host cache's reads go through its slot ring: not traceable)
+    compilable = True
 
     def __init__(self, cache: PrefixKVCache, layer: int):
-        self.cache, self.layer = cache, layer
+        def rows(tensor, start, end):
+            return tensor[layer, 0, start:end], tensor[layer, 1, start:end]
+
+        self.parts = tuple(tuple(rows(*part) for part in chain) for chain in cache.parts)
+        computes = {g for g, _, _ in cache.computed}
+        self.own = tuple(rows(*chain[-1]) if g in computes else None for g, chain in enumerate(cache.parts))
+        self.storage, self.head_shape, self.compute_dtype = cache.storage, cache._head_shape, cache.compute_dtype
 
     def store(self, group: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Copy the keys/values `(rows, heads, head_dim)` the prefill computed for prefix `group` (all its rows, or
         those after its reused leading run) into the cache's own storage."""
-        tensor, start, end = self.cache.own_part(group)
-        entry = tensor[self.layer]
-        storage = self.cache.storage
-        if storage is None:
-            entry[0, start:end].copy_(key)
-            entry[1, start:end].copy_(value)
+        own = self.own[group] if group < len(self.own) else None
+        if own is None:
+            raise ValueError(f"prefix {group} computes no rows in this prefill (all of them are reused).")
+        if self.storage is None:
+            own[0].copy_(key)
+            own[1].copy_(value)
             return
-        for index, rows in enumerate((key, value)):  # quantized once; the prefill reads back what is stored
-            stored = entry[index, start:end]
-            storage.encode(rows.reshape(rows.shape[0], -1), stored)
-            rows.copy_(storage.decode(stored, rows[0].numel(), rows.dtype).view(rows.shape))
+        for stored, rows in zip(own, (key, value)):  # quantized once; the prefill reads back what is stored
+            self.storage.encode(rows.reshape(rows.shape[0], -1), stored)
+            rows.copy_(self.storage.decode(stored, rows[0].numel(), rows.dtype).view(rows.shape))
 
     def read_parts(self, group: int, rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Prefix `group`'s keys and values as views `[(k, v), ...]` in row order (its first `rows` rows if given)."""
-        chain = self.cache.parts[group]
+        parts = list(self.parts[group])
         if rows is not None:
-            chain = _truncate(chain, rows)
-        parts = [(t[self.layer, 0, s:e], t[self.layer, 1, s:e]) for t, s, e in chain]
-        return parts if self.cache.storage is None else [self.cache.decoded(k, v) for k, v in parts]
+            parts = _truncate_views(parts, rows)
+        return parts if self.storage is None else [self._decoded(k, v) for k, v in parts]
 
     def read(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix `group`'s keys and values `(P, heads, head_dim)` for this layer (a copy only when it is made of
@@ -254,3 +274,23 @@ class LayerKV:
         if len(parts) == 1:
             return parts[0]
         return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+
+    def _decoded(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored rows `(n, row_bytes)` as `(n, heads, head_dim)` in the compute dtype (`PrefixKVCache.decoded`)."""
+        width = self.head_shape[0] * self.head_shape[1]
+        return tuple(self.storage.decode(rows, width, self.compute_dtype).view(rows.shape[0], *self.head_shape)
+                     for rows in (key, value))
+
+
+def _truncate_views(parts, rows: int) -> list:
+    """The `(k, v)` views covering the first `rows` rows of a layer's chain of parts."""
+    out = []
+    for key, value in parts:
+        if rows <= 0:
+            break
+        take = min(key.shape[0], rows)
+        out.append((key[:take], value[:take]))
+        rows -= take
+    if rows > 0:
+        raise ValueError("a reused prefix part is shorter than the rows planned from it.")
+    return out
