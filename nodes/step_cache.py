@@ -16,12 +16,12 @@ from .bridge import io
 from .types import CATEGORY, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
-MODE_TOOLTIP = ("t8: T8 BlockCache's rule (reuse the last full step's residual of blocks 2..N as it is), what "
-                "core's users know. extrapolate: a straight line through the last two full steps' residuals instead "
-                "(not T8's; see docs/measurements.md before relying on it). off: every block runs (exact).")
-THRESHOLD_TOOLTIP = ("Skip a step when block 0's output changed by less than this (relative L1 against the last full "
-                     "step). Higher skips more steps and changes more detail; 0 never skips and is bit-identical to "
-                     "no step cache. 0.08 is T8's default.")
+MODE_TOOLTIP = ("t8: T8 BlockCache's rule, what core's users know: reuse the other blocks' change from the last full "
+                "step as it is. extrapolate: a straight line through the last two full steps' changes instead (not "
+                "T8's; see docs/measurements.md before relying on it). off: every block runs (exact).")
+THRESHOLD_TOOLTIP = ("Skip a step when the first block's output changed by less than this (relative L1 against the "
+                     "last full step). Higher skips more steps and changes more detail; 0 never skips and is "
+                     "bit-identical to no step cache. 0.08 is T8's default.")
 EDIT_THRESHOLD_TOOLTIP = ("The threshold when the prompt has references (an edit): edits keep most of the picture, so "
                           "a smaller change already moves what matters. 0.03 is T8's advice.")
 WINDOW_TOOLTIP = ("Steps are skipped only between start_percent and end_percent of the steps this run takes (img2img "
@@ -32,7 +32,8 @@ MAX_SKIPS_TOOLTIP = ("At most this many skipped steps in a row; then a full step
 
 
 class QI21StepCache(io.ComfyNode):
-    """Skips blocks 2..N of the steps where block 0 barely changed (lossy, opt-in), beside the prefix cache."""
+    """Skips all blocks but the first on steps where the first barely changed (lossy, opt-in), beside the prefix
+    cache."""
 
     @classmethod
     def define_schema(cls):
@@ -40,8 +41,8 @@ class QI21StepCache(io.ComfyNode):
             node_id="QI21StepCache",
             display_name="Qwen-Image 2.1 Step Cache",
             category=CATEGORY,
-            description="Makes the samplers skip the DiT's blocks 2..N on steps where block 0's output barely changed "
-                        "since the last full step, adding that step's residual of those blocks instead (T8 "
+            description="Makes the samplers run only the DiT's first block on steps where its output barely changed "
+                        "since the last full step, adding the other blocks' change from that step instead (T8 "
                         "BlockCache's rule and defaults). Lossy: it changes details. The prefix cache, kept caches, "
                         "CFG, batches and the Fun ControlNet keep working; the first step is never skipped. Returns "
                         "a copy of the model (no weight is copied); the sampler's report shows the steps skipped and "
