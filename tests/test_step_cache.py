@@ -261,3 +261,19 @@ def test_the_node_checks_its_window_and_the_copy_keeps_the_models_prefix(model):
     assert step_cache_options(model) is None and copy.blocks[0].qkv.weight is model.blocks[0].qkv.weight
     assert PrefixCacheStore.key(copy, dtype=torch.float32) == PrefixCacheStore.key(model, dtype=torch.float32)
     assert with_step_cache(copy, None) is not copy and step_cache_options(with_step_cache(copy, None)) is None
+
+
+def test_the_benchmark_measures_exact_as_exact_through_the_nodes(benchmark_script, tiny_models):
+    bench = benchmark_script("bench_step_cache")
+    try:
+        summary = bench.main(["--models", str(tiny_models["root"]), "--prompts", "1", "--edits", "1", "--steps", "10",
+                              "--size", "128", "--settings", "t8:0", "t8:1"])
+    finally:
+        from qi21.nodes import bridge
+
+        bridge.set_models_root(None)
+    for task in ("t2i", "edit"):  # threshold 0 through the nodes and the VAE: the same pixels
+        exact = summary[("t8:0", task)]
+        assert exact["psnr_min"] == float("inf") and exact["ssim_min"] == 1.0 and exact["skipped"] == 0
+    skipping = summary[("t8:1", "t2i")]
+    assert skipping["skipped"] > 0 and skipping["psnr_mean"] < float("inf") and skipping["patterns"][0][:2] == "FF"

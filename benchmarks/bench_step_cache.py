@@ -1,0 +1,182 @@
+"""The step cache's quality and speed (model/sampling/step_cache.py): decoded images against the exact path, the
+share of steps and of block work skipped, and the wall time with and without, in one run through the pack's nodes.
+
+For every prompt (t2i) and every edit (a reference image: the exact t2i image of another prompt, and an instruction)
+the exact run and each setting run interleaved, same seed; each image is decoded through the pack's VAE and compared
+with the exact one (PSNR over RGB in [0, 1], SSIM with an 11x11 Gaussian window of sigma 1.5 as skimage's
+`gaussian_weights=True`, mean over channels).
+
+    python benchmarks/bench_step_cache.py --models DIR [--settings t8 t8:0.04 extrapolate ...] [--steps 40]
+        [--size 256] [--prompts 20 | --prompts FILE.json] [--edits 20] [--dit NAME --text-encoder NAME --vae NAME]
+
+A setting is `mode` (T8's thresholds: 0.08 t2i, 0.03 edits) or `mode:threshold` (that threshold for both). `--prompts
+FILE.json`: {"t2i": [prompts], "edit": [instructions]}. A random model (demo/tiny_checkpoints.py's, the default file
+names) runs the script but its numbers mean nothing: only a trained model has denoising dynamics to skip.
+
+What the time predicts: a skipped step still runs block 0, the output layer and the loop around them, so on a model of
+N blocks a share s of skipped steps saves at most s * (N - 1) / N of the DiT's block work; the last column gives the
+same skips at the released 32 blocks.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
+from qi21.model.sampling.step_cache import StepCacheOptions
+from qi21.nodes import bridge
+from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
+from qi21.nodes.decode import QI21VAEDecode
+from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
+from qi21.nodes.samplers import QI21Sampler
+from qi21.nodes.step_cache import QI21StepCache
+
+RELEASED_BLOCKS = 32
+T2I_PROMPTS = ("a red circle on a white background", "a blue square in the centre", "two green triangles",
+               "a yellow star on black", "a purple ring", "an orange rectangle at the top",
+               "three small white dots on blue", "a large pink circle on the left", "a cyan cross",
+               "a grey square and a red circle", "a green ring on yellow", "a black triangle on white",
+               "a red star at the bottom right", "two blue circles side by side", "a small yellow square",
+               "a magenta diamond", "a white circle on red", "a green square inside a blue square",
+               "an orange triangle on grey", "a blue star on white")
+EDIT_INSTRUCTIONS = ("make the shape blue", "move it to the left", "make it larger", "add a red circle",
+                     "make the background black", "make it green", "remove the shape", "make it smaller",
+                     "turn it upside down", "make it yellow")
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = F.mse_loss(a.double(), b.double()).item()
+    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(1.0 / mse)).item()
+
+
+def ssim(a: torch.Tensor, b: torch.Tensor) -> float:
+    """`[H, W, C]` in [0, 1]: mean SSIM, 11x11 Gaussian window (sigma 1.5), data range 1."""
+    x, y = (t.double().permute(2, 0, 1)[:, None] for t in (a, b))  # (C, 1, H, W)
+    g = torch.exp(-((torch.arange(11, dtype=torch.float64) - 5) ** 2) / (2 * 1.5**2))
+    window = (g[:, None] * g[None]) / g.sum() ** 2
+
+    def blur(t):
+        return F.conv2d(t, window[None, None])
+
+    mx, my = blur(x), blur(y)
+    vx, vy, cxy = blur(x * x) - mx**2, blur(y * y) - my**2, blur(x * y) - mx * my
+    c1, c2 = 0.01**2, 0.03**2
+    value = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    return value.mean().item()
+
+
+def parse_setting(text: str) -> tuple[str, StepCacheOptions]:
+    mode, _, threshold = text.partition(":")
+    if not threshold:
+        return text, StepCacheOptions(mode=mode)
+    value = float(threshold)
+    return text, StepCacheOptions(mode=mode, threshold=value, edit_threshold=value)
+
+
+def prompts_from(arg: str, edits: int) -> tuple[list[str], list[str]]:
+    if Path(arg).is_file():
+        data = json.loads(Path(arg).read_text())
+        return list(data["t2i"]), list(data.get("edit", []))[:edits]
+    count = int(arg)
+    return [T2I_PROMPTS[i % len(T2I_PROMPTS)] for i in range(count)], [
+        EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)] for i in range(edits)]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", required=True, help="a ComfyUI-style models folder")
+    parser.add_argument("--dit", default="qwen_image_2.1_bf16.safetensors")
+    parser.add_argument("--text-encoder", default="qwen3vl_8b_bf16.safetensors")
+    parser.add_argument("--vae", default="qwen_image_2.1_vae_bf16.safetensors")
+    parser.add_argument("--weight-dtype", default="default")
+    parser.add_argument("--settings", nargs="+", default=["t8", "extrapolate"])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--prompts", default="20", help="a count of built-in prompts, or a JSON file")
+    parser.add_argument("--edits", type=int, default=20, help="edits (0: t2i only)")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bridge.set_models_root(args.models)
+    model = QI21ModelLoader.execute(args.dit, args.weight_dtype)[0]
+    encoder = QI21TextEncoderLoader.execute(args.text_encoder, "default")[0]
+    vae = QI21VAELoader.execute(args.vae, "default")[0]
+    settings = [parse_setting(s) for s in args.settings]
+    copies = {name: QI21StepCache.execute(model, o.mode, o.threshold, o.edit_threshold, o.start_percent,
+                                          o.end_percent, o.max_skips)[0] for name, o in settings}
+    t2i, edits = prompts_from(args.prompts, args.edits)
+
+    def generate(which, positive, seed):
+        started = time.perf_counter()
+        out = QI21Sampler.execute(which, positive, seed, args.steps, 1.0, args.size, args.size, 1)
+        seconds = time.perf_counter() - started
+        rgb = QI21VAEDecode.execute(vae, out[0])[0][0]
+        return rgb, out.ui["qi21_report"][0], seconds
+
+    warm = QI21TextEncode.execute(encoder, t2i[0], None)[0]
+    for which in (model, *copies.values()):  # first calls allocate and fill caches: not part of any timing
+        generate(which, warm, 0)
+    rows = {(name, task): [] for name, _ in settings for task in ("t2i", "edit")}
+    exact_seconds = {"t2i": [], "edit": []}
+    exact_images = []
+    jobs = [("t2i", prompt, None, seed) for seed, prompt in enumerate(t2i)]
+    jobs += [("edit", text, seed % len(t2i), 1000 + seed) for seed, text in enumerate(edits)]
+    for task, text, source, seed in jobs:
+        references = None
+        if task == "edit":  # the exact t2i image of another prompt is the reference
+            image = exact_images[source][None]
+            references = QI21Reference.execute(vae, image, max(args.size, 256))[0]  # the VLM needs 256 px
+            text = f"<image1> {text}"
+        positive = QI21TextEncode.execute(encoder, text, references)[0]
+        exact, _, seconds = generate(model, positive, seed)
+        if task == "t2i":
+            exact_images.append(exact)
+        exact_seconds[task].append(seconds)
+        for name, _ in settings:
+            image, report, seconds = generate(copies[name], positive, seed)
+            # threshold 0 (or mode off) runs no step cache at all, so the report has none
+            step_cache = report.get("step_cache") or {"run": args.steps, "skipped": 0, "blocks_skipped_share": 0.0,
+                                                      "pattern": "F" * args.steps}
+            calls = step_cache["run"] + step_cache["skipped"]
+            rows[(name, task)].append({"psnr": psnr(image, exact), "ssim": ssim(image, exact), "seconds": seconds,
+                                       "skipped": step_cache["skipped"] / calls,
+                                       "blocks": step_cache["blocks_skipped_share"],
+                                       "pattern": step_cache["pattern"]})
+
+    blocks = model.config.num_layers
+    print(f"\n## step cache vs exact: {len(t2i)} t2i prompts, {len(edits)} edits, {args.steps} Base steps, "
+          f"{args.size}x{args.size}, {blocks} blocks, {torch.get_num_threads()} threads ({args.models})")
+    print("| setting | task | PSNR dB mean (min) | SSIM mean (min) | steps skipped | block work skipped | "
+          "time / exact (median) | predicted at 32 blocks |")
+    print("|---|---|---|---|---|---|---|---|")
+    summary = {}
+    for (name, task), results in rows.items():
+        if not results:
+            continue
+        finite = [r["psnr"] for r in results if r["psnr"] != float("inf")]
+        psnr_mean = statistics.mean(finite) if finite else float("inf")
+        ratios = [r["seconds"] / e for r, e in zip(results, exact_seconds[task])]
+        skipped = statistics.mean(r["skipped"] for r in results)
+        entry = {"psnr_mean": psnr_mean, "psnr_min": min(r["psnr"] for r in results),
+                 "ssim_mean": statistics.mean(r["ssim"] for r in results), "ssim_min": min(r["ssim"] for r in results),
+                 "skipped": skipped, "blocks_skipped": statistics.mean(r["blocks"] for r in results),
+                 "time_ratio": statistics.median(ratios),
+                 "predicted_32": 1 - skipped * (RELEASED_BLOCKS - 1) / RELEASED_BLOCKS,
+                 "patterns": [r["pattern"] for r in results]}
+        summary[(name, task)] = entry
+        print(f"| {name} | {task} | {entry['psnr_mean']:.2f} ({entry['psnr_min']:.2f}) | {entry['ssim_mean']:.4f} "
+              f"({entry['ssim_min']:.4f}) | {skipped:.1%} | {entry['blocks_skipped']:.1%} | "
+              f"{entry['time_ratio']:.3f} | {entry['predicted_32']:.3f} |")
+    for (name, task), entry in summary.items():
+        print(f"{name} {task} first pattern: {entry['patterns'][0]}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
