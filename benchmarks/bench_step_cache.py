@@ -10,7 +10,9 @@ with the exact one (PSNR over RGB in [0, 1], SSIM with an 11x11 Gaussian window 
         [--size 256] [--prompts 20 | --prompts FILE.json] [--edits 20] [--dit NAME --text-encoder NAME --vae NAME]
 
 A setting is `mode` (T8's thresholds: 0.08 t2i, 0.03 edits) or `mode:threshold` (that threshold for both). `--prompts
-FILE.json`: {"t2i": [prompts], "edit": [instructions]}. A random model (demo/tiny_checkpoints.py's, the default file
+FILE.json`: {"t2i": [prompts], "edit": [instructions]} (edit i reads t2i prompt i's exact image). The built-in
+prompts are in the trained toy's vocabulary (shapes, colours, places, backgrounds; recolour, move, remove the
+background). A random model (demo/tiny_checkpoints.py's, the default file
 names) runs the script but its numbers mean nothing: only a trained model has denoising dynamics to skip.
 
 What the time predicts: a skipped step still runs block 0, the output layer and the loop around them, so on a model of
@@ -37,16 +39,29 @@ from qi21.nodes.samplers import QI21Sampler
 from qi21.nodes.step_cache import QI21StepCache
 
 RELEASED_BLOCKS = 32
-T2I_PROMPTS = ("a red circle on a white background", "a blue square in the centre", "two green triangles",
-               "a yellow star on black", "a purple ring", "an orange rectangle at the top",
-               "three small white dots on blue", "a large pink circle on the left", "a cyan cross",
-               "a grey square and a red circle", "a green ring on yellow", "a black triangle on white",
-               "a red star at the bottom right", "two blue circles side by side", "a small yellow square",
-               "a magenta diamond", "a white circle on red", "a green square inside a blue square",
-               "an orange triangle on grey", "a blue star on white")
-EDIT_INSTRUCTIONS = ("make the shape blue", "move it to the left", "make it larger", "add a red circle",
-                     "make the background black", "make it green", "remove the shape", "make it smaller",
-                     "turn it upside down", "make it yellow")
+#: The trained toy's vocabulary (demo/toy_data.py in the lead's branch: its caption form 0 and edit phrasings), so the
+#: built-in prompts are ones it can draw: (size, colour, shape, where, background) and what the edit of each asks.
+SCENES = [(size, colour, shape, where, background)
+          for size, colour, shape, where, background in zip(
+              ("small", "large") * 10, ("red", "green", "blue", "yellow", "green") * 4,
+              ("circle", "square", "triangle") * 7, ("on the left", "on the right", "at the top", "at the bottom",
+                                                     "in the center", "on the right", "on the left") * 3,
+              ("white", "black", "white", "white") * 5)]
+OTHER_COLOUR = {"red": "blue", "green": "yellow", "blue": "red", "yellow": "green"}
+OTHER_PLACE = {"on the left": "the right", "on the right": "the left", "at the top": "the bottom",
+               "at the bottom": "the top", "in the center": "the left"}
+
+
+def caption(scene) -> str:
+    size, colour, shape, where, background = scene
+    return f"a {size} {colour} {shape} {where}, {background} background"
+
+
+def edit_instruction(scene, index: int) -> str:
+    """Recolour, move, or remove the background, in turn (the toy's three kinds of edit)."""
+    _, colour, shape, where, _ = scene
+    return (f"make the {shape} {OTHER_COLOUR[colour]}", f"move it to {OTHER_PLACE[where]}",
+            "remove the background")[index % 3]
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -78,13 +93,16 @@ def parse_setting(text: str) -> tuple[str, StepCacheOptions]:
     return text, StepCacheOptions(mode=mode, threshold=value, edit_threshold=value)
 
 
-def prompts_from(arg: str, edits: int) -> tuple[list[str], list[str]]:
+def prompts_from(arg: str, edits: int) -> tuple[list[str], list[tuple[int, str]]]:
+    """(t2i prompts, edits as (index of the t2i prompt whose exact image is the reference, instruction))."""
     if Path(arg).is_file():
         data = json.loads(Path(arg).read_text())
-        return list(data["t2i"]), list(data.get("edit", []))[:edits]
+        t2i = list(data["t2i"])
+        return t2i, [(i % len(t2i), text) for i, text in enumerate(data.get("edit", [])[:edits])]
     count = int(arg)
-    return [T2I_PROMPTS[i % len(T2I_PROMPTS)] for i in range(count)], [
-        EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)] for i in range(edits)]
+    scenes = [SCENES[i % len(SCENES)] for i in range(count)]
+    return [caption(scene) for scene in scenes], [(i % count, edit_instruction(scenes[i % count], i))
+                                                  for i in range(edits)]
 
 
 def main(argv=None) -> dict:
@@ -126,13 +144,12 @@ def main(argv=None) -> dict:
     exact_seconds = {"t2i": [], "edit": []}
     exact_images = []
     jobs = [("t2i", prompt, None, seed) for seed, prompt in enumerate(t2i)]
-    jobs += [("edit", text, seed % len(t2i), 1000 + seed) for seed, text in enumerate(edits)]
+    jobs += [("edit", text, source, 1000 + seed) for seed, (source, text) in enumerate(edits)]
     for task, text, source, seed in jobs:
         references = None
         if task == "edit":  # the exact t2i image of another prompt is the reference
             image = exact_images[source][None]
             references = QI21Reference.execute(vae, image, max(args.size, 256))[0]  # the VLM needs 256 px
-            text = f"<image1> {text}"
         positive = QI21TextEncode.execute(encoder, text, references)[0]
         exact, _, seconds = generate(model, positive, seed)
         if task == "t2i":
