@@ -194,20 +194,31 @@ def controlled(model, tmp_path_factory):
     torch.manual_seed(11)
     vae = QwenImage21VAE(tiny.TINY_VAE).eval()
     image = torch.rand(1, HEIGHT, WIDTH, 3, generator=torch.Generator().manual_seed(5))
-    return lambda window: apply_controlnet(model, net, lambda grid: control_latents(vae, grid, control_image=image),
-                                           1.0, *window)
+    return lambda window, base=model: apply_controlnet(
+        base, net, lambda grid: control_latents(vae, grid, control_image=image), 1.0, *window)
 
 
-def test_the_fun_controlnet_reuses_its_skips_and_restarts_where_its_window_changes(controlled):
-    whole = controlled((0.0, 1.0))
+def test_the_fun_controlnet_reuses_its_skips_and_restarts_where_its_window_changes(model, controlled):
+    whole = controlled((0.0, 1.0), with_step_cache(model, ALWAYS))  # the option rides on the controlled copy
+    assert step_cache_options(whole) == ALWAYS
     second_control_block = count_calls(whole.control_net.blocks[1])  # runs after base block 2
-    result = run(whole, step_cache=ALWAYS)
+    result = run(whole, step_cache=step_cache_options(whole))
     assert result.report["step_cache"]["pattern"] == PATTERN_20 and len(second_control_block) == 10
     # a window 0.2-0.8 (ComfyUI's shifted percents): a call whose control differs from the last full pass's is full
     windowed = run(controlled((0.2, 0.8)), step_cache=ALWAYS).report
     phases = [windowed["control"]["window"], windowed["step_cache"]["pattern"]]
     assert windowed["step_cache"]["pattern"] != PATTERN_20 and windowed["step_cache"]["skipped"] > 0, phases
     assert torch.isfinite(result.latents).all()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_quantized_prefix_cache_skips_alike(model, dtype):
+    store = PrefixCacheStore(budget_bytes=None)
+    first = run(model, cache_dtype=dtype, keep_cache=True, store=store, step_cache=ALWAYS)
+    kept = run(model, cache_dtype=dtype, keep_cache=True, store=store, step_cache=ALWAYS, seed=2)
+    assert (first.report["cache_dtype"], kept.report["cache"]) == (dtype, "hit")
+    assert first.report["step_cache"]["pattern"] == kept.report["step_cache"]["pattern"] == PATTERN_20
+    assert torch.isfinite(kept.latents).all()
 
 
 def test_streamed_blocks_are_not_brought_in_on_skipped_steps(model):
