@@ -11,7 +11,8 @@ with the exact one (PSNR over RGB in [0, 1], SSIM with an 11x11 Gaussian window 
 
 A setting is `mode` (T8's thresholds: 0.08 t2i, 0.03 edits) or `mode:threshold[:max_skips[:start-end]]` (that
 threshold for both, e.g. `t8:0.12:3:0.1-0.9`). `--prompts
-FILE.json`: {"t2i": [prompts], "edit": [instructions]} (edit i reads t2i prompt i's exact image). The built-in
+FILE.json`: {"t2i": [prompt or {"prompt", "seed"}], "edit": [instruction or {"instruction", "seed", "reference":
+a picture file beside the JSON}]} (an edit without a picture reads the exact image of t2i prompt i). The built-in
 prompts are in the trained toy's vocabulary (shapes, colours, places, backgrounds; recolour, move, remove the
 background). A random model (demo/tiny_checkpoints.py's, the default file
 names) runs the script but its numbers mean nothing: only a trained model has denoising dynamics to skip.
@@ -100,16 +101,35 @@ def parse_setting(text: str) -> tuple[str, StepCacheOptions]:
     return text, StepCacheOptions(**options)
 
 
-def prompts_from(arg: str, edits: int) -> tuple[list[str], list[tuple[int, str]]]:
-    """(t2i prompts, edits as (index of the t2i prompt whose exact image is the reference, instruction))."""
-    if Path(arg).is_file():
-        data = json.loads(Path(arg).read_text())
-        t2i = list(data["t2i"])
-        return t2i, [(i % len(t2i), text) for i, text in enumerate(data.get("edit", [])[:edits])]
-    count = int(arg)
-    scenes = [SCENES[i % len(SCENES)] for i in range(count)]
-    return [caption(scene) for scene in scenes], [(i % count, edit_instruction(scenes[i % count], i))
-                                                  for i in range(edits)]
+def cases_from(arg: str, edits: int) -> list[dict]:
+    """Each case: `task` ("t2i" / "edit"), `text`, `seed` and, for an edit, `reference`: a picture file, or the index
+    of the t2i case whose exact image it edits."""
+    if not Path(arg).is_file():
+        count = int(arg)
+        scenes = [SCENES[i % len(SCENES)] for i in range(count)]
+        return ([{"task": "t2i", "text": caption(scene), "seed": i} for i, scene in enumerate(scenes)]
+                + [{"task": "edit", "text": edit_instruction(scenes[i % count], i), "seed": 1000 + i,
+                    "reference": i % count} for i in range(edits)])
+    path = Path(arg)
+    data = json.loads(path.read_text())
+    t2i = [c if isinstance(c, dict) else {"prompt": c} for c in data["t2i"]]
+    out = [{"task": "t2i", "text": c["prompt"], "seed": c.get("seed", i)} for i, c in enumerate(t2i)]
+    for i, case in enumerate(data.get("edit", [])[:edits]):
+        case = case if isinstance(case, dict) else {"instruction": case}
+        file = case.get("reference")
+        out.append({"task": "edit", "text": case["instruction"], "seed": case.get("seed", 1000 + i),
+                    "reference": path.parent / file if file else i % len(t2i)})
+    return out
+
+
+def picture(path: Path) -> torch.Tensor:
+    """A picture file as a ComfyUI IMAGE `(1, H, W, 4)` in [0, 1] (RGBA, as LoadImage gives with its mask)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        rgba = image.convert("RGBA")
+    data = torch.frombuffer(bytearray(rgba.tobytes()), dtype=torch.uint8)
+    return data.view(1, rgba.height, rgba.width, 4).float() / 255.0
 
 
 def main(argv=None) -> dict:
@@ -135,7 +155,9 @@ def main(argv=None) -> dict:
     settings = [parse_setting(s) for s in args.settings]
     copies = {name: QI21StepCache.execute(model, o.mode, o.threshold, o.edit_threshold, o.start_percent,
                                           o.end_percent, o.max_skips)[0] for name, o in settings}
-    t2i, edits = prompts_from(args.prompts, args.edits)
+    cases = cases_from(args.prompts, args.edits)
+    t2i = [case["text"] for case in cases if case["task"] == "t2i"]
+    edits = [case for case in cases if case["task"] == "edit"]
 
     def generate(which, positive, seed):
         started = time.perf_counter()
@@ -150,12 +172,11 @@ def main(argv=None) -> dict:
     rows = {(name, task): [] for name, _ in settings for task in ("t2i", "edit")}
     exact_seconds = {"t2i": [], "edit": []}
     exact_images = []
-    jobs = [("t2i", prompt, None, seed) for seed, prompt in enumerate(t2i)]
-    jobs += [("edit", text, source, 1000 + seed) for seed, (source, text) in enumerate(edits)]
-    for task, text, source, seed in jobs:
+    for case in cases:
+        task, text, seed, source = case["task"], case["text"], case["seed"], case.get("reference")
         references = None
-        if task == "edit":  # the exact t2i image of another prompt is the reference
-            image = exact_images[source][None]
+        if task == "edit":  # a picture file, or the exact t2i image of another case
+            image = exact_images[source][None] if isinstance(source, int) else picture(source)
             references = QI21Reference.execute(vae, image, max(args.size, 256))[0]  # the VLM needs 256 px
         positive = QI21TextEncode.execute(encoder, text, references)[0]
         exact, _, seconds = generate(model, positive, seed)
