@@ -118,6 +118,9 @@ class StepCache:
         self.num_layers = int(num_layers)
         self.sigmas = [float(s) for s in sigmas]
         self.records: list[tuple[float, float | None, bool]] = []  # per call: sigma, indicator, skipped
+        #: the indicator as every process of the run agrees on it: a run whose target rows are split over several
+        #: processes (sequence parallelism) sets an all-reduce max here, or the processes would decide differently
+        self.agree = lambda score: score
         self._reset()
         self._key = self._last_sigma = None
         self._may_skip, self._sigma, self._before, self._anchor, self._indicator = False, None, None, None, None
@@ -181,7 +184,7 @@ class StepCache:
         target = self._targets(x, rows)
         self._indicator = _sampled(target) - self._before
         self._before = None
-        score = None if self._reference is None else relative_change(self._indicator, self._reference)
+        score = None if self._reference is None else self.agree(relative_change(self._indicator, self._reference))
         skip = self._may_skip and score is not None and math.isfinite(score) and score < self.threshold
         self.records.append((self._sigma, score, skip))
         if not skip:
