@@ -3,7 +3,7 @@ share of steps and of block work skipped, and the wall time with and without, in
 
 For every prompt (t2i) and every edit (a reference image: the exact t2i image of another prompt, and an instruction)
 the exact run and each setting run interleaved, same seed; each image is decoded through the pack's VAE and compared
-with the exact one (PSNR over RGB in [0, 1], SSIM with an 11x11 Gaussian window of sigma 1.5 as skimage's
+with the exact one (PSNR over RGBA in [0, 1], SSIM with an 11x11 Gaussian window of sigma 1.5 as skimage's
 `gaussian_weights=True`, mean over channels).
 
     python benchmarks/bench_step_cache.py --models DIR [--settings t8 t8:0.04 extrapolate ...] [--steps 40]
@@ -163,8 +163,8 @@ def main(argv=None) -> dict:
         started = time.perf_counter()
         out = QI21Sampler.execute(which, positive, seed, args.steps, 1.0, args.size, args.size, 1)
         seconds = time.perf_counter() - started
-        rgb = QI21VAEDecode.execute(vae, out[0])[0][0]
-        return rgb, out.ui["qi21_report"][0], seconds
+        rgba = QI21VAEDecode.execute(vae, out[0])[2][0]  # RGBA, as the yardstick compares (the alpha is drawn too)
+        return rgba, out.ui["qi21_report"][0], seconds
 
     warm = QI21TextEncode.execute(encoder, t2i[0], None)[0]
     for which in (model, *copies.values()):  # first calls allocate and fill caches: not part of any timing
