@@ -8,6 +8,7 @@ with the exact one (PSNR over RGBA in [0, 1], SSIM with an 11x11 Gaussian window
 
     python benchmarks/bench_step_cache.py --models DIR [--settings t8 t8:0.04 extrapolate ...] [--steps 40]
         [--size 256] [--prompts 20 | --prompts FILE.json] [--edits 20] [--dit NAME --text-encoder NAME --vae NAME]
+        [--turbo]   (the Turbo sampler and DiT: its stored 8 steps)
 
 A setting is `mode` (T8's thresholds: 0.08 t2i, 0.03 edits) or `mode:threshold[:max_skips[:start-end]]` (that
 threshold for both, e.g. `t8:0.12:3:0.1-0.9`). `--prompts
@@ -37,7 +38,7 @@ from qi21.nodes import bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
-from qi21.nodes.samplers import QI21Sampler
+from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 from qi21.nodes.step_cache import QI21StepCache
 
 RELEASED_BLOCKS = 32
@@ -135,7 +136,8 @@ def picture(path: Path) -> torch.Tensor:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", required=True, help="a ComfyUI-style models folder")
-    parser.add_argument("--dit", default="qwen_image_2.1_bf16.safetensors")
+    parser.add_argument("--dit", default=None, help="default: the Base file, or the Turbo file with --turbo")
+    parser.add_argument("--turbo", action="store_true", help="the Turbo sampler (8 stored steps; --steps ignored)")
     parser.add_argument("--text-encoder", default="qwen3vl_8b_bf16.safetensors")
     parser.add_argument("--vae", default="qwen_image_2.1_vae_bf16.safetensors")
     parser.add_argument("--weight-dtype", default="default")
@@ -149,7 +151,10 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     bridge.set_models_root(args.models)
-    model = QI21ModelLoader.execute(args.dit, args.weight_dtype)[0]
+    if args.turbo:
+        args.steps = 8
+    dit = args.dit or ("qwen_image_2.1_turbo_bf16.safetensors" if args.turbo else "qwen_image_2.1_bf16.safetensors")
+    model = QI21ModelLoader.execute(dit, args.weight_dtype)[0]
     encoder = QI21TextEncoderLoader.execute(args.text_encoder, "default")[0]
     vae = QI21VAELoader.execute(args.vae, "default")[0]
     settings = [parse_setting(s) for s in args.settings]
@@ -161,7 +166,10 @@ def main(argv=None) -> dict:
 
     def generate(which, positive, seed):
         started = time.perf_counter()
-        out = QI21Sampler.execute(which, positive, seed, args.steps, 1.0, args.size, args.size, 1)
+        if args.turbo:
+            out = QI21TurboSampler.execute(which, positive, seed, args.size, args.size, 1)
+        else:
+            out = QI21Sampler.execute(which, positive, seed, args.steps, 1.0, args.size, args.size, 1)
         seconds = time.perf_counter() - started
         rgba = QI21VAEDecode.execute(vae, out[0])[2][0]  # RGBA, as the yardstick compares (the alpha is drawn too)
         return rgba, out.ui["qi21_report"][0], seconds
@@ -194,8 +202,8 @@ def main(argv=None) -> dict:
                                        "blocks": step_cache["blocks_skipped_share"],
                                        "pattern": step_cache["pattern"]})
 
-    blocks = model.config.num_layers
-    print(f"\n## step cache vs exact: {len(t2i)} t2i prompts, {len(edits)} edits, {args.steps} Base steps, "
+    blocks, kind = model.config.num_layers, "Turbo" if args.turbo else "Base"
+    print(f"\n## step cache vs exact: {len(t2i)} t2i prompts, {len(edits)} edits, {args.steps} {kind} steps, "
           f"{args.size}x{args.size}, {blocks} blocks, {torch.get_num_threads()} threads ({args.models})")
     print("| setting | task | PSNR dB mean (min) | SSIM mean (min) | steps skipped | block work skipped | "
           f"time / exact (median) | blocks' share predicts ({blocks} blocks) | predicted at 32 blocks |")
