@@ -13,10 +13,11 @@ from .lora import QI21LoraLoader
 from .observability import register_routes
 from .samplers import QI21Sampler, QI21TurboSampler
 from .schedule import QI21Sigmas
+from .step_cache import QI21StepCache
 
 NODES = [QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader, QI21Reference, QI21TextEncode, QI21Sampler,
          QI21TurboSampler, QI21VAEDecode, QI21Sigmas, QI21VAEEncode, QI21LoraLoader, QI21ControlNetLoader,
-         QI21ControlNetApply, QI21CacheOptions]
+         QI21ControlNetApply, QI21CacheOptions, QI21StepCache]
 
 
 register_routes()  # /qi21/route_key, /qi21/caches, /qi21/metrics on ComfyUI's server (nothing without it)

@@ -16,6 +16,7 @@ what decides whether a kept prefix can be reused:
   passes for that file name); without references, the prompt text. With references the words are left out: a new
   instruction after the same references reuses their rows (partial reuse), so it must land on the same worker.
 
+The Step Cache node (QI21StepCache) is looked through: it skips work on the target rows only, never the prefix.
 Any other node met on the way (a primitive, an image operation between LoadImage and the reference) is kept whole:
 its class and all its inputs, links followed the same way, LoadImage files by content. The key is SHA-256 of the
 canonical JSON of that description: equal graphs (up to words, seeds, sizes and the other sampler settings) give
@@ -49,6 +50,9 @@ KEPT_INPUTS = {
     "QI21Reference": ("references", "image", "mask", "resolution", "vae"),
     "QI21TextEncode": ("text_encoder", "references", "prompt"),
 }
+#: Our nodes that leave the kept prefix as their input's: the key is that input's (the Step Cache skips blocks of
+#: the target rows only; a graph with and without it finds the same kept prefix).
+PASS_THROUGH = {"QI21StepCache": "model"}
 
 
 class RouteKeyError(ValueError):
@@ -106,6 +110,9 @@ class _Graph:
         try:
             if kind == "LoadImage":
                 return {"image_sha256": self.image_hash(node_id, inputs.get("image")), "output": output}
+            if kind in PASS_THROUGH:
+                name = PASS_THROUGH[kind]
+                return self.value(f"node {node_id!r} ({kind}) input {name!r}", inputs.get(name), depth)
             names = KEPT_INPUTS.get(kind, sorted(inputs))
             if kind == "QI21TextEncode" and inputs.get("references") is not None:
                 names = tuple(n for n in names if n != "prompt")  # the words do not move a reference prefix

@@ -16,6 +16,7 @@ from ..model.sampling.img2img import (
 )
 from ..model.sampling.loop import initial_noise, sample
 from ..model.sampling.schedule import base_sigmas, literal_sigmas, schedule_mu, turbo_sigmas
+from ..model.sampling.step_cache import step_cache_options
 from ..model.vae.latents import (
     LATENT_CHANNELS,
     LATENT_TOKEN_PIXELS,
@@ -187,7 +188,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
                         cfg=cfg, prefix_cache=cached, keep_cache=keep_cache, callback=on_step,
                         check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
                         add_noise=add_noise, new_cache=job.new_cache, store=job.store, sampler=runner,
-                        cache_dtype=options.dtype)
+                        cache_dtype=options.dtype, step_cache=step_cache_options(model))
     report = dict(result.report)
     if sampler_name is not None:
         report["sampler"] = sampler_name

@@ -53,7 +53,7 @@ import qi21_comfy_harness as harness  # tests/comfyui/, on sys.path through pypr
 
 NODE_IDS = ["QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader", "QI21Reference", "QI21TextEncode",
             "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode", "QI21Sigmas", "QI21VAEEncode", "QI21LoraLoader",
-            "QI21ControlNetLoader", "QI21ControlNetApply"]
+            "QI21ControlNetLoader", "QI21ControlNetApply", "QI21StepCache"]
 MODEL_DTYPES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn"]
 REPORT_KEYS = {"prefix_tokens", "target_tokens", "batch", "steps", "cache", "cache_bytes", "cache_device",
                "prefill_seconds", "step_seconds"}
@@ -91,6 +91,9 @@ CONTRACT = {
                             [("control_image", "IMAGE"), ("inpaint_image", "IMAGE"), ("mask", "MASK")],
                             ["QI21_MODEL"]),
     "QI21CacheOptions": ([("model", "QI21_MODEL"), ("device", "COMBO"), ("dtype", "COMBO")], [], ["QI21_MODEL"]),
+    "QI21StepCache": ([("model", "QI21_MODEL"), ("mode", "COMBO"), ("threshold", "FLOAT"), ("edit_threshold", "FLOAT"),
+                       ("start_percent", "FLOAT"), ("end_percent", "FLOAT"), ("max_skips", "INT")], [],
+                      ["QI21_MODEL"]),
 }
 #: Options and defaults the contract fixes: (node, input) -> {key: value}.
 CONTRACT_OPTIONS = {
@@ -100,6 +103,9 @@ CONTRACT_OPTIONS = {
     ("QI21TextEncoderLoader", "device"): {"options": ["default", "cpu"]},
     ("QI21CacheOptions", "device"): {"options": ["auto", "gpu", "cpu", "off"], "default": "auto"},
     ("QI21CacheOptions", "dtype"): {"options": ["default", "int8", "int4"], "default": "default"},
+    ("QI21StepCache", "mode"): {"options": ["t8", "extrapolate", "off"], "default": "t8"},
+    ("QI21StepCache", "threshold"): {"default": 0.08},
+    ("QI21StepCache", "edit_threshold"): {"default": 0.03},
     ("QI21VAELoader", "weight_dtype"): {"default": "default"},
     ("QI21Reference", "resolution"): {"default": 1024, "min": 0},
     ("QI21TextEncode", "prompt"): {"multiline": True},

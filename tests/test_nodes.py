@@ -31,7 +31,7 @@ def test_every_node_has_a_described_schema():
     assert [n.define_schema().node_id for n in NODES] == [  # append-only: saved workflows name these
         "QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader", "QI21Reference", "QI21TextEncode",
         "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode", "QI21Sigmas", "QI21VAEEncode", "QI21LoraLoader",
-        "QI21ControlNetLoader", "QI21ControlNetApply", "QI21CacheOptions"]
+        "QI21ControlNetLoader", "QI21ControlNetApply", "QI21CacheOptions", "QI21StepCache"]
     for node in NODES:
         schema = node.define_schema()
         assert schema.display_name.startswith("Qwen-Image 2.1") and schema.category == "Qwen-Image 2.1"

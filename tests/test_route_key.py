@@ -109,6 +109,19 @@ def test_without_references_the_prompt_is_the_key(inputs):
     assert route_key(reseeded, inputs) == route_key(base, inputs)
 
 
+def test_a_step_cache_node_leaves_the_key_as_it_is(inputs):
+    base = graph("text_to_image_base")
+    skipping = copy.deepcopy(base)
+    sampler = nodes_of(skipping, "QI21Sampler")[0]
+    skipping["30"] = {"class_type": "QI21StepCache", "inputs": {"model": sampler["inputs"]["model"], "mode": "t8",
+                                                                "threshold": 0.08}}
+    sampler["inputs"]["model"] = ["30", 0]
+    assert route_key(skipping, inputs) == route_key(base, inputs)
+    skipping["30"]["inputs"]["model"] = ["404", 0]
+    with pytest.raises(RouteKeyError, match="QI21StepCache"):
+        route_key(skipping, inputs)
+
+
 def test_the_lora_chain_and_the_control_net_are_in_the_key(inputs):
     lora = graph("base_turbo_lora")
     key = route_key(lora, inputs)

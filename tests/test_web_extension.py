@@ -339,6 +339,22 @@ def test_report_names_a_quantized_cache(sandbox):
     assert "cache_dtype:" not in detail  # described, not listed as an unknown key
 
 
+def test_report_says_what_the_step_cache_skipped_and_each_steps_indicator(sandbox):
+    step_cache = {"mode": "t8", "threshold": 0.08, "window": [0.1, 0.85], "max_skips": 2, "per": "step", "run": 3,
+                  "skipped": 2, "blocks_skipped_share": 0.3875, "indicator": [None, 0.2, 0.05, 0.0412, 0.12],
+                  "pattern": "FFSSF"}
+    report = dict(MISS, step_cache=step_cache)
+    summary, detail = report_call(sandbox, ("summarizeReport", [report]), ("reportDetail", [report]))
+    assert summary.endswith(" · step 45.6 ms · skipped 2 of 5 steps")
+    lines = detail.split("\n")
+    assert ("step cache: skipped 2 of 5 steps (39% of the block work); t8, threshold 0.08, window 0.1-0.85, at most 2 "
+            "in a row") in lines
+    assert ("indicator per step (S = skipped): 1: -, 2: 0.2000, 3: 0.0500 S, 4: 0.0412 S, 5: 0.1200") in lines
+    assert "step_cache:" not in detail  # described, not listed as an unknown key
+    calls = report_call(sandbox, ("summarizeReport", [{"step_cache": dict(step_cache, per="model call")}]))
+    assert calls == ["skipped 2 of 5 calls"]
+
+
 def test_report_with_missing_keys_or_odd_values_shows_what_is_there(sandbox):
     got = report_call(
         sandbox,

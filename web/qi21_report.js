@@ -8,8 +8,10 @@
 // "partial" or "hit"), `cache_bytes`, `cache_device`, `prefill_seconds`, `step_seconds` (mean cached step),
 // `prefix_rows_reused` / `prefix_rows_computed` (rows taken from a kept cache or shared by the run's prompts, and
 // rows the prefill computed), `cache_dtype` ("default", or "int8" / "int4" from the Prefix Cache node: how the cache
-// stored its rows; `cache_bytes` are the stored bytes, scales included), `prefix_key` (content hash of the rows through the last reference) and, when there
-// is something to say, `notes` (strings). Keys may be missing or null (e.g. no prefill on a cache hit, no cache
+// stored its rows; `cache_bytes` are the stored bytes, scales included), `prefix_key` (content hash of the rows through the last reference),
+// `step_cache` (with the Step Cache node: `mode`, `threshold`, `run` / `skipped` calls, `per` "step" or "model call",
+// `blocks_skipped_share`, per call its `indicator` (null where there was no full pass to compare with) and `pattern`,
+// "F" full / "S" skipped, model/sampling/step_cache.py) and, when there is something to say, `notes` (strings). Keys may be missing or null (e.g. no prefill on a cache hit, no cache
 // device when the cache is off); keys this file does not know are still shown in the detail text.
 //
 // The phase comes from ComfyUI's `progress` event (value = steps done, max = steps): with the prefix cache on,
@@ -36,7 +38,7 @@ const CACHE_WORDS = {
 /** Keys the detail text describes itself; others are listed after them, as they come. */
 const KNOWN_KEYS = new Set(["cache", "prefix_tokens", "target_tokens", "batch", "steps", "cache_bytes", "cache_device",
   "prefill_seconds", "step_seconds", "peak_bytes", "loras", "plan", "notes", "prefix_rows_reused",
-  "prefix_rows_computed", "prefix_key", "cache_dtype"]);
+  "prefix_rows_computed", "prefix_key", "cache_dtype", "step_cache"]);
 
 function isRecord(value) {
   return value !== null && typeof value === "object" && !Array.isArray(value);
@@ -49,6 +51,42 @@ function num(value) {
 
 function plural(n, word) {
   return `${formatCount(n)} ${word}${n === 1 ? "" : "s"}`;
+}
+
+/** "skipped 11 of 40 steps", or null when the report has no step cache. */
+export function summarizeStepCache(stepCache) {
+  if (!isRecord(stepCache)) return null;
+  const run = num(stepCache.run);
+  const skipped = num(stepCache.skipped);
+  if (run === null || skipped === null) return null;
+  const unit = stepCache.per === "model call" ? "calls" : "steps";
+  return `skipped ${formatCount(skipped)} of ${formatCount(run + skipped)} ${unit}`;
+}
+
+/** The step cache's lines of the detail text: the rule and what it skipped, then each call's indicator and
+ * decision ("0.0412 S": skipped; "-" where there was no full pass to compare with). */
+function describeStepCache(stepCache) {
+  if (!isRecord(stepCache)) return [describeValue(stepCache)];
+  const lines = [];
+  const head = summarizeStepCache(stepCache) ?? "no calls";
+  const share = num(stepCache.blocks_skipped_share);
+  const rule = [typeof stepCache.mode === "string" ? stepCache.mode : null,
+    num(stepCache.threshold) !== null ? `threshold ${stepCache.threshold}` : null,
+    Array.isArray(stepCache.window) ? `window ${stepCache.window.join("-")}` : null,
+    num(stepCache.max_skips) !== null ? `at most ${stepCache.max_skips} in a row` : null].filter(Boolean).join(", ");
+  lines.push(`${head}${share !== null ? ` (${Math.round(share * 100)}% of the block work)` : ""}${rule ? `; ${rule}` : ""}`);
+  const indicator = Array.isArray(stepCache.indicator) ? stepCache.indicator : [];
+  const pattern = typeof stepCache.pattern === "string" ? stepCache.pattern : "";
+  if (indicator.length || pattern) {
+    const count = Math.max(indicator.length, pattern.length);
+    const calls = [];
+    for (let i = 0; i < count; i++) {
+      const value = num(indicator[i]);
+      calls.push(`${i + 1}: ${value === null ? "-" : value.toFixed(4)}${pattern[i] === "S" ? " S" : ""}`);
+    }
+    lines.push(`indicator per ${stepCache.per === "model call" ? "model call" : "step"} (S = skipped): ${calls.join(", ")}`);
+  }
+  return lines;
 }
 
 /** The report dicts in a node's UI output `{qi21_report: [...]}`, or in a bare list of reports, or one report
@@ -105,6 +143,8 @@ export function summarizeReport(report) {
   }
   if (num(report.prefill_seconds) !== null) parts.push(`prefill ${formatSeconds(report.prefill_seconds)}`);
   if (num(report.step_seconds) !== null) parts.push(`step ${formatSeconds(report.step_seconds)}`);
+  const skipped = summarizeStepCache(report.step_cache);
+  if (skipped !== null) parts.push(skipped);
   return parts.length ? parts.join(SEP) : "no details reported";
 }
 
@@ -162,6 +202,11 @@ export function reportDetail(report, { index = 1, count = 1 } = {}) {
   if (num(report.peak_bytes) !== null) add("peak device memory", formatBytes(report.peak_bytes));
   if ("loras" in report) add("LoRAs", describeLoras(report.loras));
   if ("plan" in report) add("plan", describePlan(report.plan));
+  if ("step_cache" in report) {
+    const [first, ...rest] = describeStepCache(report.step_cache);
+    add("step cache", first);
+    lines.push(...rest);
+  }
   for (const [key, value] of Object.entries(report)) {
     if (!KNOWN_KEYS.has(key)) add(key, describeValue(value));
   }

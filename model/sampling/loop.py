@@ -30,6 +30,7 @@ from .denoiser import FlowDenoiser, run_sampler
 from .img2img import finish_latents, start_latents
 from .run_caches import RunCaches
 from .schedule import euler_step, literal_sigmas, transformer_timestep
+from .step_cache import StepCache, StepCacheOptions
 
 
 class NonFiniteLatentsError(FloatingPointError):
@@ -203,6 +204,7 @@ def sample(
     new_cache=None,
     sampler=None,
     cache_dtype: str = "default",
+    step_cache: StepCacheOptions | None = None,
 ) -> SampleResult:
     """Denoise along `sigmas` (used as given; see `literal_sigmas`); returns normalised latents and the report.
 
@@ -220,6 +222,11 @@ def sample(
 
     `cache_dtype` ("default", "int8", "int4"; transformer/cache_storage.py) stores the prefix cache in the model's
     dtype or quantized per token through comfy-kitchen; a kept cache is reused only by a run with the same one.
+
+    `step_cache` (step_cache.py; the Step Cache node's options on a model copy) skips blocks 1..N-1 of the model
+    calls where block 0 barely changed, replaying their last residual (lossy, opt-in); None, mode off or threshold 0
+    runs every block as before. One decision per model call (every sample and both CFG prompts together); the
+    report's `step_cache` lists them.
 
     `sampler(denoiser, sigmas, noise, latent, mask) -> latents` replaces the Euler loop with a sampler of its own
     over the model as a flow denoiser (denoiser.py: ComfyUI's SAMPLERs through the bridge); the cache is the same,
@@ -284,6 +291,11 @@ def sample(
     last_of = {phase: i for i, phase in enumerate(phases)}
     after_block = None if check_interrupt is None else (lambda index: check_interrupt())
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
+    # an edit (references present) changes less per step, so T8's rule asks a smaller change of it
+    skipper = StepCache.for_run(step_cache, sigmas, edit=bool(positive.ref_shapes), num_layers=model.config.num_layers)
+
+    def step_cache_for(sigma: float, phase: bool, mode: str):
+        return None if skipper is None else skipper.call(sigma, key=phase, mode=mode)
     try:
         for i in range(steps if sampler is None else 0):
             phase = phases[i]
@@ -293,7 +305,8 @@ def sample(
             t = transformer_timestep(sigmas[i], dtype).to(device)
             v = model(torch.cat([x, x]) if use_cfg else x, t, prefixes, sample_prefix,
                       cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
-                      after_block=after_block, control=stream(phase))
+                      after_block=after_block, control=stream(phase),
+                      step_cache=step_cache_for(sigmas[i].item(), phase, mode))
             if cached and i == last_of[phase]:
                 caches.done_with(phase)
             if use_cfg:
@@ -322,7 +335,8 @@ def sample(
                 phase = controlled_at(sigma)
                 return model(torch.cat([packed, packed]) if use_cfg else packed, t, prefixes, sample_prefix,
                              cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
-                             after_block=after_block, control=stream(phase))
+                             after_block=after_block, control=stream(phase),
+                             step_cache=step_cache_for(sigma, phase, mode))
 
             denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=cfg, grid=grid,
                                     mode_of=mode_of, clock=clock, modes=modes, on_call=callback,
@@ -334,6 +348,8 @@ def sample(
         watch.finish()
         succeeded = True
     finally:
+        if skipper is not None:
+            skipper.free()
         if caches is not None:
             caches.close(succeeded, notes)
 
@@ -367,6 +383,8 @@ def sample(
         notes.extend(note for lora in loras for note in lora.notes)
     if sampler is not None:
         report["model_calls"] = len(modes)
+    if skipper is not None:
+        report["step_cache"] = skipper.report("step" if sampler is None else "model call")
     if notes:
         report["notes"] = notes
     if sampler is not None:  # the sampler undid the noise scaling itself (ComfyUI's inverse_noise_scaling)

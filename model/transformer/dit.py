@@ -147,6 +147,7 @@ class QwenImage21DiT(nn.Module):
         attention: str | None = None,
         after_block: Callable[[int], None] | None = None,
         control=None,
+        step_cache=None,
     ) -> torch.Tensor:
         """Velocity for the target rows.
 
@@ -163,6 +164,10 @@ class QwenImage21DiT(nn.Module):
             control: a second stream added to this one (`controlnet.ControlStream`): `start(x, mods, rows, cache)`
                 sees the embedded rows before block 0, `after_base_block(index, x)` returns each block's output with
                 the control's skip added; its blocks' prefix K/V are `control.cache_layers` more layers of `cache`.
+            step_cache: the run's step cache for this call (sampling/step_cache.py), or None (every block runs):
+                `before_blocks(x, rows)` sees the rows before block 0; `after_first_block(x, rows)` may return the
+                target rows to finish with (blocks 1..N-1 skipped, so a streamed one is never brought in);
+                `after_blocks(x, rows)` sees the target rows after the last block.
         Returns:
             `(B, T, out_channels)` in the compute dtype.
         """
@@ -172,6 +177,8 @@ class QwenImage21DiT(nn.Module):
                                                   extra_cache_layers=extra)
         if control is not None:
             control.start(x, mods, rows, cache)
+        if step_cache is not None:
+            step_cache.before_blocks(x, rows)
         last = len(self.blocks) - 1
         for index, block in enumerate(self.blocks):
             x = block(x, mods, rows, cache.layer_kv(index) if cache is not None else None, drop_prefix=index == last)
@@ -179,6 +186,12 @@ class QwenImage21DiT(nn.Module):
                 x = control.after_base_block(index, x)
             if after_block is not None:
                 after_block(index)
+            if step_cache is not None and index == 0:
+                replayed = step_cache.after_first_block(x, rows)
+                if replayed is not None:  # a skipped call: the output layer reads the target rows only
+                    return self.final_layer(replayed, final_scale, rows)
+        if step_cache is not None:
+            step_cache.after_blocks(x, rows)
         return self.final_layer(x, final_scale, rows)
 
     def prepare(self, target, timestep, prefixes, sample_prefix=None, cache=None, mode="uncached", attention=None,

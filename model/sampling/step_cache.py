@@ -1,0 +1,231 @@
+"""The step cache: an opt-in, lossy skip of the DiT's blocks 1..N-1 on model calls where block 0 barely changed,
+on top of the prefix cache (a skipped call still runs block 0 against the cached prefix, and the output layer).
+
+The rule is T8 BlockCache 0.1.3's (T8mars/Comfyui-Qwen-Image-2.1-BlockCache-T8, `cache.py` / `runtime.py`), with its
+defaults, because that is what users of core know:
+
+    indicator   block 0's residual on the target rows, sampled at stride 8 over tokens and channels, against the one
+                of the last full pass: mean |now - then| / mean |then| per sample, the largest over the batch (one
+                unstable CFG or batch row forces a full pass)
+    skip        when the indicator is below the threshold (0.08; 0.03 for edits, i.e. when references are present),
+                the call is inside the window (10% to 85% of the run), at most 2 calls in a row, and a full pass was
+                made since the last reset; a skipped call returns block 0's output + the residual blocks 1..N-1 added
+                on the last full pass
+    never       the prefill (it fills the prefix cache of every layer), the first call of a run (a kept-cache hit
+                too: there is no full pass to reuse yet), a call after the Fun ControlNet's window opened or closed
+
+Where we differ from T8, and why:
+- the window is a share of the run's own schedule, the call's position between the sigmas it runs (step i of n is at
+  i / n; a call between two sigmas, a second-order sampler's, in between). T8 converts its percents to sigmas with
+  ComfyUI's flux `percent_to_sigma`, which places 10% / 85% elsewhere on the official 40-step schedule and, for
+  img2img with denoise < 1, outside the steps that run.
+- decisions are keyed to the sigma progression, not to a call count: a call at a sigma above the previous call's is a
+  new pass (a restart sampler) and starts over; a repeated sigma (Heun's second call, then the next step's first) is
+  an ordinary call that the indicator decides.
+- mode "extrapolate" (not T8's) replays a first-order extrapolation in sigma of the last two full passes' residuals
+  instead of the last one as it is.
+
+Off means exact: a model without the option, threshold 0 or mode "off" gives no `StepCache` (`StepCache.for_run`
+returns None) and the DiT runs as before, bit for bit.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..loaders.lora import clone_tree
+
+MODES = ("off", "t8", "extrapolate")
+#: T8 BlockCache 0.1.3's `CacheConfig` defaults; 0.03 for edits is its README's advice.
+THRESHOLD, EDIT_THRESHOLD = 0.08, 0.03
+START_PERCENT, END_PERCENT = 0.10, 0.85
+MAX_SKIPS = 2
+STRIDE = 8  # T8's `metric_stride`: every 8th token and channel of block 0's residual
+
+
+@dataclass(frozen=True)
+class StepCacheOptions:
+    """What the Step Cache node sets on a model copy; the defaults are T8's."""
+
+    mode: str = "t8"
+    threshold: float = THRESHOLD
+    edit_threshold: float = EDIT_THRESHOLD
+    start_percent: float = START_PERCENT
+    end_percent: float = END_PERCENT
+    max_skips: int = MAX_SKIPS
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}.")
+        for name in ("threshold", "edit_threshold"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0 (0 never skips); got {value!r}.")
+        if not 0.0 <= self.start_percent < self.end_percent <= 1.0:
+            raise ValueError(f"start_percent ({self.start_percent}) must be less than end_percent "
+                             f"({self.end_percent}), within [0, 1].")
+        if int(self.max_skips) != self.max_skips or self.max_skips < 0:
+            raise ValueError(f"max_skips must be a whole number >= 0; got {self.max_skips!r}.")
+
+    def threshold_for(self, edit: bool) -> float:
+        return float(self.edit_threshold if edit else self.threshold)
+
+
+def step_cache_options(model) -> StepCacheOptions | None:
+    """The options a model copy carries (None: no step cache, the default)."""
+    return getattr(model, "step_cache", None)
+
+
+def with_step_cache(model, options: StepCacheOptions | None):
+    """`model` with these step-cache options, as a new model object sharing every weight (the model is never
+    changed). The prefix cache is unaffected, so the copy keeps the model's kept prefixes (`cache_base`)."""
+    if options is not None and options.mode == "off":
+        options = None
+    if options == step_cache_options(model):
+        return model
+    new = clone_tree(model)
+    new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object
+    new.cache_base = model
+    new.step_cache = options
+    return new
+
+
+def _sampled(target: torch.Tensor) -> torch.Tensor:
+    """`(B, T, width)` -> fp32 `(B, ceil(T/8), ceil(width/8))`: the rows and channels the indicator reads."""
+    return target[:, ::STRIDE, ::STRIDE].to(torch.float32, copy=True)  # a copy: blocks change the buffer in place
+
+
+def relative_change(now: torch.Tensor, then: torch.Tensor) -> float:
+    """Mean |now - then| / mean |then| per sample, the largest over the samples (T8's `difference`)."""
+    axes = tuple(range(1, now.ndim))
+    per_sample = (now - then).abs().mean(axes) / then.abs().mean(axes).clamp_min(1e-6)
+    return float(per_sample.max())
+
+
+class StepCache:
+    """One run's step cache: the loop asks `call(sigma, key, mode)` before each model call and hands what it returns
+    to the DiT's forward as `step_cache`; the DiT then calls `before_blocks`, `after_first_block` (the target rows to
+    finish with on a skipped call, else None) and, when every block ran, `after_blocks`.
+
+    One decision per model call, for the whole batched forward (every sample and both CFG prompts). The tensors it
+    holds (block 0's output and the residual of the last full pass, in fp32) are dropped by `free`, which the loop
+    calls in its `finally`."""
+
+    def __init__(self, options: StepCacheOptions, sigmas, *, edit: bool, num_layers: int):
+        self.options = options
+        self.threshold = options.threshold_for(edit)
+        self.num_layers = int(num_layers)
+        self.sigmas = [float(s) for s in sigmas]
+        self.records: list[tuple[float, float | None, bool]] = []  # per call: sigma, indicator, skipped
+        #: the indicator as every process of the run agrees on it: a run whose target rows are split over several
+        #: processes (sequence parallelism) sets an all-reduce max here, or the processes would decide differently
+        self.agree = lambda score: score
+        self._reset()
+        self._key = self._last_sigma = None
+        self._may_skip, self._sigma, self._before, self._anchor, self._indicator = False, None, None, None, None
+
+    @classmethod
+    def for_run(cls, options: StepCacheOptions | None, sigmas, *, edit: bool, num_layers: int) -> "StepCache | None":
+        """The run's step cache, or None when it cannot skip anything: no options, mode off, threshold 0 (exact by
+        construction: the DiT never sees a step cache), or a one-block model (nothing after block 0)."""
+        if options is None or options.mode == "off" or options.threshold_for(edit) <= 0 or num_layers < 2:
+            return None
+        return cls(options, sigmas, edit=edit, num_layers=num_layers)
+
+    def _reset(self) -> None:
+        self._reference = None  # block 0's sampled residual at the last full pass
+        self._residual = None  # (sigma, blocks 1..N-1's residual (B*T, width) fp32) of the last full pass
+        self._previous = None  # the same of the full pass before (mode "extrapolate")
+        self._skips = 0
+
+    def free(self) -> None:
+        self._reset()
+        self._before = self._anchor = self._indicator = None
+
+    # -- the loop's side ------------------------------------------------------------------------------------------
+    def progress(self, sigma: float) -> float:
+        """The call's share of the run: step i of n is at i / n, a sigma between two of the run's at the fraction
+        in between; above the first sigma 0, below the last 1."""
+        s, n = self.sigmas, len(self.sigmas) - 1
+        if n < 1 or sigma >= s[0]:
+            return 0.0
+        for i in range(n):
+            high, low = s[i], s[i + 1]
+            if low <= sigma <= high:
+                return (i + ((high - sigma) / (high - low) if high > low else 0.0)) / n
+        return 1.0
+
+    def call(self, sigma: float, key=None, mode: str = "cached") -> "StepCache":
+        """Prepare for one model call at `sigma`; `key` names what the call's blocks are (the Fun ControlNet's phase):
+        a residual is replayed only into a call of the same key. Returns self, for the DiT's `step_cache`."""
+        sigma = float(sigma)
+        if (self._last_sigma is not None and sigma > self._last_sigma) or key != self._key:
+            self._reset()  # a new pass, or other blocks: nothing of the last full pass applies
+        self._last_sigma, self._key, self._sigma = sigma, key, sigma
+        options = self.options
+        self._may_skip = (mode != "prefill" and self._residual is not None and self._skips < options.max_skips
+                          and options.start_percent <= self.progress(sigma) < options.end_percent)
+        return self
+
+    # -- the DiT's side -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _targets(x: torch.Tensor, rows) -> torch.Tensor:
+        """The target rows of the row buffer `(rows, width)` (always its last `samples * target_len` rows), as
+        `(samples, target_len, width)`."""
+        return x[x.shape[0] - rows.samples * rows.target_len :].view(rows.samples, rows.target_len, -1)
+
+    def before_blocks(self, x: torch.Tensor, rows) -> None:
+        self._before = _sampled(self._targets(x, rows))
+
+    def after_first_block(self, x: torch.Tensor, rows) -> torch.Tensor | None:
+        """Block 0 ran (its output is `x`): the target rows `(samples * target_len, width)` to finish the call with
+        when it is skipped, else None (and block 0's output is kept to take the residual from)."""
+        target = self._targets(x, rows)
+        self._indicator = _sampled(target) - self._before
+        self._before = None
+        score = None if self._reference is None else self.agree(relative_change(self._indicator, self._reference))
+        skip = self._may_skip and score is not None and math.isfinite(score) and score < self.threshold
+        self.records.append((self._sigma, score, skip))
+        if not skip:
+            self._anchor = target.to(torch.float32, copy=True)  # a copy: the next blocks change the buffer in place
+            return None
+        self._skips += 1
+        return (target.float() + self._replayed()).to(x.dtype).flatten(0, 1)
+
+    def after_blocks(self, x: torch.Tensor, rows) -> None:
+        """Every block ran; `x` holds the target rows after the last one: keep blocks 1..N-1's residual."""
+        residual = self._targets(x, rows).float() - self._anchor
+        self._previous = self._residual if self.options.mode == "extrapolate" else None
+        self._residual = (self._sigma, residual)
+        self._reference, self._anchor, self._skips = self._indicator, None, 0
+
+    def _replayed(self) -> torch.Tensor:
+        """The residual a skipped call adds: the last full pass's, or (extrapolate) the line through the last two
+        full passes' residuals in sigma, evaluated at this call's sigma."""
+        sigma1, last = self._residual
+        if self._previous is None or self._previous[0] == sigma1:
+            return last
+        sigma0, before = self._previous
+        return last + (last - before) * ((self._sigma - sigma1) / (sigma1 - sigma0))
+
+    # -- the report -----------------------------------------------------------------------------------------------
+    def report(self, per: str = "step") -> dict:
+        """The report's `step_cache`: the rule, calls run and skipped, and per call the indicator (None where there
+        was no full pass to compare with) and the decision ("F" full, "S" skipped). `per`: what a call is ("step"
+        for the built-in loop, "model call" for a SAMPLER)."""
+        skipped = sum(skip for _, _, skip in self.records)
+        calls = len(self.records)
+        blocks = calls * self.num_layers
+        return {
+            "mode": self.options.mode,
+            "threshold": self.threshold,
+            "window": [self.options.start_percent, self.options.end_percent],
+            "max_skips": self.options.max_skips,
+            "per": per,
+            "run": calls - skipped,
+            "skipped": skipped,
+            "blocks_skipped_share": round(skipped * (self.num_layers - 1) / blocks, 4) if blocks else 0.0,
+            "indicator": [None if score is None else round(score, 4) for _, score, _ in self.records],
+            "pattern": "".join("S" if skip else "F" for _, _, skip in self.records),
+        }

@@ -1,0 +1,81 @@
+"""The step-cache node: skip the DiT's blocks 1..N-1 on steps where block 0 barely changed, keeping the prefix cache
+(model/sampling/step_cache.py has the rule). Like the Prefix Cache node it returns a model copy that shares every
+weight; both samplers (and a ComfyUI SAMPLER through them) read the options from the model."""
+
+from ..model.sampling.step_cache import (
+    EDIT_THRESHOLD,
+    END_PERCENT,
+    MAX_SKIPS,
+    MODES,
+    START_PERCENT,
+    THRESHOLD,
+    StepCacheOptions,
+    with_step_cache,
+)
+from .bridge import io
+from .types import CATEGORY, Model
+from .validation import refuse_unknown_inputs, require, widget_problem
+
+MODE_TOOLTIP = ("t8: T8 BlockCache's rule, what core's users know: reuse the other blocks' change from the last full "
+                "step as it is. extrapolate: a straight line through the last two full steps' changes instead (not "
+                "T8's; see docs/measurements.md before relying on it). off: every block runs (exact).")
+THRESHOLD_TOOLTIP = ("Skip a step when the first block's output changed by less than this (relative L1 against the "
+                     "last full step). Higher skips more steps and changes more detail; 0 never skips and is "
+                     "bit-identical to no step cache. 0.08 is T8's default.")
+EDIT_THRESHOLD_TOOLTIP = ("The threshold when the prompt has references (an edit): edits keep most of the picture, so "
+                          "a smaller change already moves what matters. 0.03 is T8's advice.")
+WINDOW_TOOLTIP = ("Steps are skipped only between start_percent and end_percent of the steps this run takes (img2img "
+                  "and split schedules count their own steps): the first steps set the layout and the last ones the "
+                  "fine detail. 0.10 to 0.85 as T8.")
+MAX_SKIPS_TOOLTIP = ("At most this many skipped steps in a row; then a full step refreshes what is reused. 2 as T8; "
+                     "0 never skips.")
+
+
+class QI21StepCache(io.ComfyNode):
+    """Skips all blocks but the first on steps where the first barely changed (lossy, opt-in), beside the prefix
+    cache."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="QI21StepCache",
+            display_name="Qwen-Image 2.1 Step Cache",
+            category=CATEGORY,
+            description="Makes the samplers run only the DiT's first block on steps where its output barely changed "
+                        "since the last full step, adding the other blocks' change from that step instead (T8 "
+                        "BlockCache's rule and defaults). Lossy: it changes details. The prefix cache, kept caches, "
+                        "CFG, batches and the Fun ControlNet keep working; the first step is never skipped. Returns "
+                        "a copy of the model (no weight is copied); the sampler's report shows the steps skipped and "
+                        "the indicator of each step.",
+            inputs=[
+                Model.Input("model"),
+                io.Combo.Input("mode", options=list(MODES[1:]) + [MODES[0]], default="t8", tooltip=MODE_TOOLTIP),
+                io.Float.Input("threshold", default=THRESHOLD, min=0.0, max=1.0, step=0.005,
+                               tooltip=THRESHOLD_TOOLTIP),
+                io.Float.Input("edit_threshold", default=EDIT_THRESHOLD, min=0.0, max=1.0, step=0.005,
+                               tooltip=EDIT_THRESHOLD_TOOLTIP),
+                io.Float.Input("start_percent", default=START_PERCENT, min=0.0, max=1.0, step=0.01,
+                               tooltip=WINDOW_TOOLTIP),
+                io.Float.Input("end_percent", default=END_PERCENT, min=0.0, max=1.0, step=0.01,
+                               tooltip=WINDOW_TOOLTIP),
+                io.Int.Input("max_skips", default=MAX_SKIPS, min=0, max=16, tooltip=MAX_SKIPS_TOOLTIP),
+            ],
+            outputs=[Model.Output(display_name="model")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, start_percent=None, end_percent=None, **kwargs):
+        if start_percent is not None and end_percent is not None and not start_percent < end_percent:
+            return (f"start_percent ({start_percent}) must be less than end_percent ({end_percent}), within [0, 1]: "
+                    "steps are skipped only between them.")
+        return widget_problem(cls, start_percent=start_percent, end_percent=end_percent, **kwargs)
+
+    @classmethod
+    def execute(cls, model, mode="t8", threshold=THRESHOLD, edit_threshold=EDIT_THRESHOLD,
+                start_percent=START_PERCENT, end_percent=END_PERCENT, max_skips=MAX_SKIPS, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(cls, unknown)
+        require(cls.validate_inputs(mode=mode, threshold=threshold, edit_threshold=edit_threshold,
+                                    start_percent=start_percent, end_percent=end_percent, max_skips=max_skips))
+        options = StepCacheOptions(mode, float(threshold), float(edit_threshold), float(start_percent),
+                                   float(end_percent), int(max_skips))
+        return io.NodeOutput(with_step_cache(model, options))
