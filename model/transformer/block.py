@@ -76,6 +76,8 @@ class Rows:
         chunk_groups: the prefix of each chunk.
         whole: per prefix, the chunk holding all its rows (its keys are read from the buffer), else None (read
             from the cache).
+        target_attention: the target rows' attention (`attention.target_attention`'s signature); a parallel run
+            puts its own here (model/parallel/ulysses.py: all-to-alls around this rank's heads).
     """
 
     mode: str
@@ -89,6 +91,7 @@ class Rows:
     prefix_attention: Callable | None = None
     chunk_groups: tuple[int, ...] = ()
     whole: tuple = ()
+    target_attention: Callable = target_attention
 
     @property
     def target_start(self) -> int:
@@ -214,7 +217,7 @@ class Block(nn.Module):
         attn_t = attn[t0 - first_out :].view(samples, length, heads, head_dim)
         for g, pick in enumerate(rows.readers):
             if pick is not None:
-                attn_t[pick] = target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
+                attn_t[pick] = rows.target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
 
         if drop_prefix:
             x, rows = x[t0:], rows.targets_only()

@@ -129,6 +129,9 @@ class QwenImage21DiT(nn.Module):
         self.compute_dtype = dtype or torch.float32
         self.source = None  # what the loader read (loaders.dit_keys.DiTSource); None for a model built in code
         self.manager = None  # the host's memory-management handle (nodes/bridge.py keeps ComfyUI's patcher here)
+        # this process's share of a forward split over several (model/parallel/ulysses.py: `shard` after `prepare`,
+        # `gather` after the output head); None: this process does all of it
+        self.parallel = None
         width = config.width
         self.time_embed = TimestepEmbedding(width, device=device, dtype=dtype)
         self.txt_in = TextProjection(config.context_in_dim, width, config.eps, device=device, dtype=dtype)
@@ -173,6 +176,11 @@ class QwenImage21DiT(nn.Module):
         extra = control.cache_layers if control is not None else 0
         x, mods, final_scale, rows = self.prepare(target, timestep, prefixes, sample_prefix, cache, mode, attention,
                                                   extra_cache_layers=extra)
+        if self.parallel is not None:
+            if control is not None:
+                raise ValueError("a Fun ControlNet does not run split over several devices yet; load the model "
+                                 "with parallel off to use it.")
+            x, rows = self.parallel.shard(x, rows)
         if control is not None:
             control.start(x, mods, rows, cache)
         last = len(self.blocks) - 1
@@ -182,7 +190,8 @@ class QwenImage21DiT(nn.Module):
                 x = control.after_base_block(index, x)
             if after_block is not None:
                 after_block(index)
-        return self.final_layer(x, final_scale, rows)
+        out = self.final_layer(x, final_scale, rows)
+        return out if self.parallel is None else self.parallel.gather(out, target.shape[1])
 
     def prepare(self, target, timestep, prefixes, sample_prefix=None, cache=None, mode="uncached", attention=None,
                 extra_cache_layers: int = 0):

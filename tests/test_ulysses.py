@@ -1,0 +1,153 @@
+"""Ulysses sequence parallelism over two CPU ranks (gloo): the split model equals one process, each rank holds half
+of the prefix cache, sends what the formula says, and a dead worker gives a clear error and a clean next run.
+
+One pool of two spawned workers serves the whole module (a spawn costs seconds); the test that kills a worker runs
+last and starts the next pool itself. The single-process reference runs here, on the same weights.
+"""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from parallel_fixtures import CONFIG, build_tiny, cached_step_traffic, prompt
+from qi21.model.parallel import pool as pools
+from qi21.model.parallel.ulysses import check_world
+from qi21.model.parallel.worker import from_value, run_sample
+from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.sampling.loop import sample
+from qi21.model.transformer.dit import PrefixInputs
+from qi21.model.transformer.prefix_cache import PrefixKVCache
+
+EXACT = 1e-5  # fp32: the split model against one process
+WORLD = 2
+WIDTH, HEIGHT = 96, 64  # a 4 x 6 latent target (x32 images always have an even number of rows on each side)
+ODD_GRID = (3, 5)  # 15 target rows, padded to 16 on two ranks: what 8 or more ranks meet at real sizes
+SIGMAS = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+REFS = (((4, 4), 11), ((2, 4), 12), ((4, 2), 13))  # a three-reference edit
+
+
+def edit(instruction=("t", 5, 3)):
+    items = [("t", 3, 1)]
+    for i, ref in enumerate(REFS):
+        items += [ref, ("t", 2, 20 + i)]
+    return prompt(*items, instruction)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = pools.pool_for(("cpu",) * WORLD, threads=1, hang_seconds=120)
+    workers.ensure_model(("tiny", 0), build_tiny, (0,))
+    yield workers
+    pools.close_pools()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny(0)
+
+
+def split_run(pool, **options):
+    """`sample` on the ranks: rank 0's latents and every rank's report."""
+    answers = pool.call(run_sample, dict(sigmas=SIGMAS, width=WIDTH, height=HEIGHT, **options), what="sampling")
+    return from_value(answers[0]["latents"]), [a["report"] for a in answers]
+
+
+def one_process(model, store=None, **options):
+    with torch.no_grad():
+        return sample(model, sigmas=SIGMAS, width=WIDTH, height=HEIGHT, store=store, **options)
+
+
+def assert_close(got, expected):
+    torch.testing.assert_close(got, expected, rtol=0, atol=EXACT)
+
+
+@pytest.mark.parametrize("case", ["t2i", "edit", "cfg"])
+def test_two_ranks_sample_what_one_process_samples_with_half_the_cache_each(pool, model, case):
+    options = dict(positive=prompt(("t", 9, 5)), seed=3, batch_size=2)
+    if case == "edit":
+        options.update(positive=edit(), batch_size=1)
+    elif case == "cfg":
+        options.update(positive=edit(), negative=edit(("t", 4, 8)), cfg=3.0, batch_size=1)
+    latents, reports = split_run(pool, **options)
+    expected = one_process(model, **options)
+    assert_close(latents, expected.latents)
+    assert [r["cache"] for r in reports] == ["miss", "miss"]
+    assert [r["cache_bytes"] for r in reports] == [expected.report["cache_bytes"] // WORLD] * WORLD
+
+
+def test_a_kept_cache_and_a_partial_reuse_equal_one_process(pool, model):
+    store = PrefixCacheStore()
+    runs = []
+    for instruction in (("t", 5, 3), ("t", 5, 3), ("t", 6, 4)):  # miss, hit, the same references after a new text
+        options = dict(positive=edit(instruction), seed=7, keep_cache=True)
+        latents, reports = split_run(pool, **options)
+        expected = one_process(model, store=store, **options)
+        assert_close(latents, expected.latents)
+        assert all(r["prefix_rows_reused"] == expected.report["prefix_rows_reused"] for r in reports)
+        runs.append(reports[0]["cache"])
+    assert runs == ["miss", "hit", "partial"]
+    pool.call(pools.worker.clear_caches)
+
+
+def test_a_cached_step_sends_four_all_to_alls_of_its_padded_rows_per_block(pool, model):
+    cond = edit()
+    layout = cond.layout(ODD_GRID)
+    prefixes = [PrefixInputs(layout=layout, text=cond.text, references=cond.references)]
+    target = torch.randn(2, ODD_GRID[0] * ODD_GRID[1], 64, generator=torch.Generator().manual_seed(5))
+    answers = pool.call(cached_step_traffic, prefixes, target)
+    cache = PrefixKVCache()
+    with torch.no_grad():
+        model(target, torch.tensor([0.9]), prefixes, cache=cache, mode="prefill")
+        expected = model(target, torch.tensor([0.5]), prefixes, cache=cache, mode="cached")
+    samples, rows = target.shape[:2]
+    local_rows = -(-rows // WORLD)  # 15 rows padded to 16: 8 per rank
+    # q, k, v and the output: (T/N) x width x 4 bytes x (N-1)/N each, per sample and block
+    formula = CONFIG.num_layers * 4 * samples * local_rows * CONFIG.width * 4 * (WORLD - 1) // WORLD
+    for answer in answers:
+        assert answer["sent"] == formula
+        assert answer["calls"] == CONFIG.num_layers * 2  # q/k/v in one call, the output in another
+        assert answer["cache_bytes"] * WORLD == cache.nbytes
+        assert_close(from_value(answer["out"]), expected)
+
+
+def test_three_ranks_are_refused_for_four_heads_and_32():
+    with pytest.raises(ValueError, match=r"3 devices needs the number of devices to divide the model's 32 attention "
+                                         r"heads.*1, 2, 4, 8, 16, 32 devices"):
+        check_world(32, 3)
+    check_world(32, 4)
+
+
+def test_an_interrupt_stops_every_rank_at_the_same_step_and_the_pool_lives_on(pool, model):
+    class Stop(Exception):
+        pass
+
+    def check_interrupt():  # the host's interrupt flag, set from the start: the ranks stop after a step they agree on
+        raise Stop("cancelled")
+
+    steps = []
+    with pytest.raises(Stop):
+        pool.call(run_sample, dict(positive=prompt(("t", 9, 5)), sigmas=torch.linspace(1, 0, 201), width=WIDTH,
+                                   height=HEIGHT), what="sampling", check_interrupt=check_interrupt,
+                  on_progress=lambda done, total: steps.append(done))
+    assert pool.alive and len(steps) < 200
+    latents, _ = split_run(pool, positive=prompt(("t", 9, 5)), seed=1)
+    assert_close(latents, one_process(model, positive=prompt(("t", 9, 5)), seed=1).latents)
+
+
+def test_a_killed_worker_is_named_with_its_step_and_the_next_run_is_clean(pool, model):
+    def kill_rank_1(done, total):
+        if done == 1:
+            os.kill(pool.pids[1], signal.SIGKILL)
+
+    with pytest.raises(pools.WorkerError, match=r"worker on cpu \(rank 1\) stopped \(exit code -9\) during sampling "
+                                                r"at step 2 of 8.*next run starts new ones"):
+        pool.call(run_sample, dict(positive=prompt(("t", 9, 5)), sigmas=torch.linspace(1, 0, 9), width=WIDTH,
+                                   height=HEIGHT), what="sampling", on_progress=kill_rank_1)
+    assert not pool.alive
+    fresh = pools.pool_for(("cpu",) * WORLD, threads=1, hang_seconds=120)
+    assert fresh is not pool and fresh.alive
+    fresh.ensure_model(("tiny", 0), build_tiny, (0,))
+    latents, _ = split_run(fresh, positive=prompt(("t", 9, 5)), seed=2)
+    assert_close(latents, one_process(model, positive=prompt(("t", 9, 5)), seed=2).latents)
