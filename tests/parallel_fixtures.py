@@ -12,8 +12,8 @@ from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
 CONFIG = DiTConfig(num_layers=2, num_heads=4, head_dim=32, context_in_dim=48, mlp_ratio=3, axes_dims_rope=(4, 14, 14))
 
 
-def build_tiny(seed: int = 0) -> QwenImage21DiT:
-    """A random fp32 DiT of `CONFIG`; the same seed gives the same weights in every process."""
+def build_tiny(device="cpu", seed: int = 0) -> QwenImage21DiT:
+    """A random fp32 DiT of `CONFIG` on `device`; the same seed gives the same weights in every process."""
     generator = torch.Generator().manual_seed(seed)
     model = QwenImage21DiT(CONFIG)
     with torch.no_grad():
@@ -23,7 +23,7 @@ def build_tiny(seed: int = 0) -> QwenImage21DiT:
                 param.copy_(0.2 * noise + (0.0 if "text_norm" in name else 1.0))
             else:
                 param.copy_(noise / param.shape[1] ** 0.5)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def prompt(*items) -> Conditioning:

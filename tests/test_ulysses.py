@@ -11,14 +11,18 @@ import signal
 import pytest
 import torch
 
+import graph_fixtures as gf
 from parallel_fixtures import CONFIG, build_tiny, cached_step_traffic, prompt
 from qi21.model.parallel import pool as pools
+from qi21.model.parallel.split import SplitModel
 from qi21.model.parallel.ulysses import check_world
 from qi21.model.parallel.worker import from_value, run_sample
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
 from qi21.model.transformer.dit import PrefixInputs
 from qi21.model.transformer.prefix_cache import PrefixKVCache
+from qi21.nodes.loaders import QI21ModelLoader
+from qi21.nodes.samplers import QI21TurboSampler
 
 EXACT = 1e-5  # fp32: the split model against one process
 WORLD = 2
@@ -45,7 +49,7 @@ def pool():
 
 @pytest.fixture(scope="module")
 def model():
-    return build_tiny(0)
+    return build_tiny("cpu", 0)
 
 
 def split_run(pool, **options):
@@ -136,7 +140,43 @@ def test_an_interrupt_stops_every_rank_at_the_same_step_and_the_pool_lives_on(po
     assert_close(latents, one_process(model, positive=prompt(("t", 9, 5)), seed=1).latents)
 
 
+def test_the_loader_and_sampler_nodes_split_the_model_over_cpu_ranks(pool, models_root):
+    """The node path: the loader's devices / parallel inputs give a model the samplers run on the workers (the same
+    pool: these devices), equal to the model loaded in this process; the workers then hold the file's chain."""
+    positive = gf.synthetic_conditioning(text_runs=[11])
+    whole = QI21ModelLoader.execute(gf.SINGLE["turbo"], "default")[0]
+    split = QI21ModelLoader.execute(gf.SINGLE["turbo"], "default", devices="cpu, cpu", parallel="ulysses")[0]
+    assert isinstance(split, SplitModel) and split.devices == ("cpu", "cpu")
+    expected = QI21TurboSampler.execute(whole, positive, 5, 64, 96, 1, keep_cache=False)
+    got = QI21TurboSampler.execute(split, positive, 5, 64, 96, 1, keep_cache=False)
+    assert_close(got[0]["samples"], expected[0]["samples"])
+    report, single = got.ui["qi21_report"][0], expected.ui["qi21_report"][0]
+    assert report["parallel"]["cache_bytes_per_device"] == [single["cache_bytes"] // WORLD] * WORLD
+    assert pools.current_pool() is pool and pool.model_key == split.key
+
+
+@pytest.mark.parametrize("devices, parallel, message", [
+    ("cuda:0,cpu", "ulysses", "mixes CPU and GPU ranks"),
+    ("cuda:0,cuda:0", "ulysses", "names a GPU twice"),
+    ("gpu0,gpu1", "ulysses", "'gpu0' is not a device"),
+    ("cpu", "ulysses", "needs at least two devices"),
+    ("cpu,cpu", "off", "needs parallel ulysses"),
+    ("cpu,cpu", "cfg", "parallel = cfg .* is not available yet"),
+])
+def test_the_loader_refuses_devices_it_cannot_split_over(models_root, devices, parallel, message):
+    with pytest.raises(ValueError, match=message):
+        QI21ModelLoader.execute(gf.SINGLE["turbo"], "default", devices=devices, parallel=parallel)
+
+
+def test_bad_input_fails_alike_on_every_rank_and_the_pool_lives_on(pool):
+    pool.ensure_model(("tiny", 0), build_tiny, (0,))  # the node test left the file's chain in the workers
+    with pytest.raises(RuntimeError, match="sampling failed on every device: ValueError: cfg must be >= 1"):
+        split_run(pool, positive=prompt(("t", 9, 5)), cfg=0.5)
+    assert pool.alive
+
+
 def test_a_killed_worker_is_named_with_its_step_and_the_next_run_is_clean(pool, model):
+    pool.ensure_model(("tiny", 0), build_tiny, (0,))
     def kill_rank_1(done, total):
         if done == 1:
             os.kill(pool.pids[1], signal.SIGKILL)
@@ -151,3 +191,17 @@ def test_a_killed_worker_is_named_with_its_step_and_the_next_run_is_clean(pool, 
     fresh.ensure_model(("tiny", 0), build_tiny, (0,))
     latents, _ = split_run(fresh, positive=prompt(("t", 9, 5)), seed=2)
     assert_close(latents, one_process(model, positive=prompt(("t", 9, 5)), seed=2).latents)
+
+
+@pytest.mark.slow
+def test_four_ranks_sample_an_edit_with_cfg_as_one_process_with_a_quarter_of_the_cache_each(model):
+    four = pools.pool_for(("cpu",) * 4, threads=1, hang_seconds=120)  # replaces the two-rank pool
+    try:
+        four.ensure_model(("tiny", 0), build_tiny, (0,))
+        options = dict(positive=edit(), negative=edit(("t", 4, 8)), cfg=3.0, seed=4)
+        latents, reports = split_run(four, **options)
+        expected = one_process(model, **options)
+        assert_close(latents, expected.latents)
+        assert [r["cache_bytes"] for r in reports] == [expected.report["cache_bytes"] // 4] * 4
+    finally:
+        pools.close_pools()

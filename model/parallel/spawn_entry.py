@@ -3,13 +3,13 @@
 A spawned process starts a fresh interpreter that does not know the pack: ComfyUI imported it under its folder
 name from a path that is not on `sys.path`, the tests under the name `qi21`. Pickling the worker's function by
 reference would fail there, so the process's target is the standard library's `runpy.run_path` on this file, given
-the pack's name and folder in `init_globals` (plain strings). It registers the pack as a bare package (its
-`__init__.py`, which imports ComfyUI's node API, is not run: a worker needs `model/` only) and hands over to
-`worker.serve`. Everything sent later over the job queue (conditioning, model recipes) then unpickles by the same
-names as in the coordinator.
+the pack's name and folder in `init_globals` (plain strings and the queues). It registers the pack as a bare package
+(its `__init__.py`, which imports ComfyUI's node API, is not run: a worker needs `model/` only) and runs
+`worker_main.py` as the process's main module inside it, so that everything sent later over the job queue
+(conditioning, model recipes, job functions) unpickles by the same names as in the coordinator.
 """
 
-import importlib
+import runpy
 import sys
 import types
 
@@ -20,7 +20,8 @@ def _start(package: str, root: str, arguments: dict) -> None:
         module.__path__ = [root]
         module.__package__ = package
         sys.modules[package] = module
-    importlib.import_module(f"{package}.model.parallel.worker").serve(**arguments)
+    runpy.run_module(f"{package}.model.parallel.worker_main", init_globals={"QI21_WORKER": arguments},
+                     run_name="__qi21_worker__")
 
 
 if __name__ == "__qi21_worker__":

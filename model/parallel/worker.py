@@ -11,7 +11,6 @@ total)` after every step, `(job_id, rank, status, value)` with status "ok", "int
 """
 
 import gc
-import io
 import traceback
 from datetime import timedelta
 
@@ -29,16 +28,16 @@ class Interrupted(Exception):
     """Every rank saw the coordinator's interrupt at the same step boundary (agreed by an all-reduce)."""
 
 
-def by_value(value) -> bytes:
-    """`value` (tensors inside) as bytes: a tensor sent over a torch queue is shared memory that its sender must
-    outlive, and a result must survive its worker (a rank may be ended right after it answered)."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
+def by_value(tensor: torch.Tensor) -> tuple:
+    """`(dtype name, shape, bytes)` of a CPU tensor: a tensor sent over a torch queue is shared memory that its sender
+    must outlive, and a result must survive its worker (a rank may be ended right after it answered)."""
+    tensor = tensor.detach().cpu().contiguous()
+    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.view(torch.uint8).numpy().tobytes()
 
 
-def from_value(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
+def from_value(value: tuple) -> torch.Tensor:
+    dtype, shape, data = value
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
 
 
 class Rank:
@@ -62,14 +61,14 @@ class Rank:
 
 
 def load_model(state: Rank, key, build, args: tuple) -> dict:
-    """Make `build(*args)` (a `QwenImage21DiT`) this rank's model unless the chain `key` is already loaded. The old
-    chain and its kept caches go first: two 7B models on one device do not fit."""
+    """Make `build(device, *args)` (a `QwenImage21DiT` on this rank's device) this rank's model unless the chain `key`
+    is already loaded. The old chain and its kept caches go first: two 7B models on one device do not fit."""
     if state.model_key == key and state.model is not None:
         return {"loaded": False}
     state.store.clear()
     state.model = state.model_key = None
     gc.collect()
-    model = build(*args).to(state.device).eval()
+    model = build(state.device, *args).to(state.device).eval()
     model.parallel = Ulysses(model.config.num_heads)
     state.model, state.model_key = model, key
     return {"loaded": True}
