@@ -159,8 +159,8 @@ class WorkerPool:
             now = time.monotonic()
             if message is not None:
                 last_message = now
-                if message[0] == "progress":
-                    _, rank, done, total = message
+                if message[0] == "progress" and message[1] == job:
+                    _, _, rank, done, total = message
                     steps[rank] = (done, total)
                     if len(steps) == len(self.devices) and min(s[0] for s in steps.values()) > self.step[0]:
                         self.step = (min(s[0] for s in steps.values()), total)
@@ -190,10 +190,10 @@ class WorkerPool:
 
     def _outcome(self, answers, what: str, interrupted):
         statuses = [status for status, _ in answers]
+        if interrupted is not None and all(s in ("ok", "interrupted") for s in statuses):
+            raise interrupted  # also when the ranks had finished: the host's cancel was taken from it, so it stands
         if all(s == "ok" for s in statuses):
             return [value for _, value in answers]
-        if interrupted is not None and all(s == "interrupted" for s in statuses):
-            raise interrupted
         errors = [(r, value) for r, (status, value) in enumerate(answers) if status != "ok"]
         if all(s == "error" for s in statuses) and len({v for _, v in answers}) == 1:
             raise RuntimeError(f"{what} failed on every device: {answers[0][1]}")

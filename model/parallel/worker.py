@@ -6,8 +6,8 @@ rank's queue and waits for all answers. A job is a function of this module's `Ra
 (model/sampling/loop.py) with the model split by `Ulysses`, the rank's heads of the prefix cache in the rank's own
 store (kept caches behave as in one process, on each rank's shard).
 
-Messages to the coordinator on the shared results queue: `("ready", rank, info)`, `("progress", rank, step,
-total)` after every step, `(job_id, rank, status, value)` with status "ok", "interrupted" or "error".
+Messages to the coordinator on the shared results queue: `("ready", rank, info)`, `("progress", job_id, rank,
+step, total)` after every step, `(job_id, rank, status, value)` with status "ok", "interrupted" or "error".
 """
 
 import gc
@@ -47,13 +47,14 @@ class Rank:
         self.rank, self.world, self.device = rank, world, device
         self.interrupt, self.results = interrupt, results
         self.model, self.model_key = None, None
+        self.job = None  # the job being run (progress messages carry it: an interrupted job's late ones are dropped)
         self.store = PrefixCacheStore()
 
     def step_done(self, step: int, total: int) -> None:
         """After every step: report progress, then agree with the other ranks whether to stop (an interrupt seen
         by one rank must stop all of them at the same step, or the others would wait forever in the next
         all-to-all)."""
-        self.results.put(("progress", self.rank, step + 1, total))
+        self.results.put(("progress", self.job, self.rank, step + 1, total))
         flag = torch.tensor([1 if self.interrupt.is_set() else 0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if int(flag.item()):
@@ -125,6 +126,7 @@ def serve(rank: int, world: int, device: str, store_path: str, jobs, results, in
             if message is None:
                 break
             job_id, function, args = message
+            state.job = job_id
             try:
                 results.put((job_id, rank, "ok", function(state, *args)))
             except Interrupted as stop:
