@@ -18,10 +18,12 @@ its cache; every rank then does the same with its share. Faults never leave a ha
   then re-raised.
 """
 
+import contextlib
 import os
 import queue
 import runpy
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +37,25 @@ _PACKAGE = __name__.split(".")[0]  # the name the host imported the pack under (
 _ENTRY = str(Path(__file__).with_name("spawn_entry.py"))
 START_SECONDS = 300.0  # a worker that has not joined the group by then is reported as failed
 GRACE_SECONDS = 20.0  # after one rank answered with an error or stopped: how long the others get to answer
+
+
+@contextlib.contextmanager
+def _main_script_hidden():
+    """While the workers start: the host's `__main__` without its `__file__`. multiprocessing's spawn runs the parent's
+    main script again in every child (as `__mp_main__`) when `__main__` has a file and no module spec: under ComfyUI
+    that is its `main.py`, which sets up a server's worth of state there and fails outside ComfyUI's folder. The
+    workers need nothing from it (spawn_entry.py brings the pack), so spawn is shown no script; restored at once.
+    A main run as a module (`python -m ...`, the tests' pytest) is imported by name as usual."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if script is None or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = script
 
 
 class WorkerError(RuntimeError):
@@ -78,21 +99,24 @@ class WorkerPool:
         self._jobs = [context.Queue() for _ in self.devices]
         self._processes = []
         try:
-            for rank, device in enumerate(self.devices):
-                arguments = dict(rank=rank, world=len(self.devices), device=device,
-                                 store_path=os.path.join(self._folder, "rendezvous"), jobs=self._jobs[rank],
-                                 results=self._results, interrupt=self._interrupt, threads=threads)
-                process = context.Process(
-                    target=runpy.run_path, name=f"qi21-rank{rank}-{device}", daemon=True,
-                    kwargs=dict(path_name=_ENTRY, run_name="__qi21_worker__",
-                                init_globals={"QI21_SPAWN": dict(package=_PACKAGE, root=str(_ROOT),
-                                                                 arguments=arguments)}))
-                process.start()
-                self._processes.append(process)
+            with _main_script_hidden():
+                self._start(context, threads)
             self._await_start()
         except BaseException:
             self.close()
             raise
+
+    def _start(self, context, threads: int) -> None:
+        for rank, device in enumerate(self.devices):
+            arguments = dict(rank=rank, world=len(self.devices), device=device,
+                             store_path=os.path.join(self._folder, "rendezvous"), jobs=self._jobs[rank],
+                             results=self._results, interrupt=self._interrupt, threads=threads)
+            process = context.Process(
+                target=runpy.run_path, name=f"qi21-rank{rank}-{device}", daemon=True,
+                kwargs=dict(path_name=_ENTRY, run_name="__qi21_worker__",
+                            init_globals={"QI21_SPAWN": dict(package=_PACKAGE, root=str(_ROOT), arguments=arguments)}))
+            process.start()
+            self._processes.append(process)
 
     # -- state ------------------------------------------------------------------------------------------------
     @property
