@@ -13,6 +13,7 @@ import torch
 
 import graph_fixtures as gf
 from parallel_fixtures import CONFIG, build_tiny, cached_step_traffic, prompt
+from qi21.demo import tiny_checkpoints as tiny
 from qi21.model.parallel import pool as pools
 from qi21.model.parallel.split import SplitModel
 from qi21.model.parallel.ulysses import check_world
@@ -22,6 +23,7 @@ from qi21.model.sampling.loop import sample
 from qi21.model.transformer.dit import PrefixInputs
 from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.nodes.loaders import QI21ModelLoader
+from qi21.nodes.lora import QI21LoraLoader
 from qi21.nodes.samplers import QI21TurboSampler
 
 EXACT = 1e-5  # fp32: the split model against one process
@@ -150,9 +152,19 @@ def test_the_loader_and_sampler_nodes_split_the_model_over_cpu_ranks(pool, model
     expected = QI21TurboSampler.execute(whole, positive, 5, 64, 96, 1, keep_cache=False)
     got = QI21TurboSampler.execute(split, positive, 5, 64, 96, 1, keep_cache=False)
     assert_close(got[0]["samples"], expected[0]["samples"])
+    expected_plain = expected[0]["samples"]
     report, single = got.ui["qi21_report"][0], expected.ui["qi21_report"][0]
     assert report["parallel"]["cache_bytes_per_device"] == [single["cache_bytes"] // WORLD] * WORLD
     assert pools.current_pool() is pool and pool.model_key == split.key
+
+    # a LoRA on the split model joins its chain: the workers rebuild it with the LoRA, as the host applies it
+    lora = tiny.SPEED_LORA_FILE
+    with_lora = QI21LoraLoader.execute(split, lora, 0.8)[0]
+    assert with_lora.key != split.key and split.loras == ()
+    expected = QI21TurboSampler.execute(QI21LoraLoader.execute(whole, lora, 0.8)[0], positive, 5, 64, 96, 1)
+    got = QI21TurboSampler.execute(with_lora, positive, 5, 64, 96, 1)
+    assert_close(got[0]["samples"], expected[0]["samples"])
+    assert pool.model_key == with_lora.key and not torch.equal(got[0]["samples"], expected_plain)
 
 
 @pytest.mark.parametrize("devices, parallel, message", [
