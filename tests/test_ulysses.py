@@ -194,7 +194,7 @@ def test_a_killed_worker_is_named_with_its_step_and_the_next_run_is_clean(pool, 
             os.kill(pool.pids[1], signal.SIGKILL)
 
     with pytest.raises(pools.WorkerError, match=r"worker on cpu \(rank 1\) stopped \(exit code -9\) during sampling "
-                                                r"at step 2 of 8.*next run starts new ones"):
+                                                r"at step \d of 8.*next run starts new ones"):
         pool.call(run_sample, dict(positive=prompt(("t", 9, 5)), sigmas=torch.linspace(1, 0, 9), width=WIDTH,
                                    height=HEIGHT), what="sampling", on_progress=kill_rank_1)
     assert not pool.alive
