@@ -16,7 +16,7 @@ from parallel_fixtures import CONFIG, build_tiny, cached_step_traffic, prompt
 from qi21.demo import tiny_checkpoints as tiny
 from qi21.model.parallel import pool as pools
 from qi21.model.parallel.split import SplitModel
-from qi21.model.parallel.ulysses import check_world
+from qi21.model.parallel.ulysses import cached_step_bytes, check_world
 from qi21.model.parallel.worker import from_value, run_sample
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
@@ -111,11 +111,18 @@ def test_a_cached_step_sends_four_all_to_alls_of_its_padded_rows_per_block(pool,
     local_rows = -(-rows // WORLD)  # 15 rows padded to 16: 8 per rank
     # q, k, v and the output: (T/N) x width x 4 bytes x (N-1)/N each, per sample and block
     formula = CONFIG.num_layers * 4 * samples * local_rows * CONFIG.width * 4 * (WORLD - 1) // WORLD
+    assert cached_step_bytes(rows, CONFIG.width, CONFIG.num_layers, WORLD, 4, samples) == formula
     for answer in answers:
         assert answer["sent"] == formula
         assert answer["calls"] == CONFIG.num_layers * 2  # q/k/v in one call, the output in another
         assert answer["cache_bytes"] * WORLD == cache.nbytes
         assert_close(from_value(answer["out"]), expected)
+
+
+@pytest.mark.parametrize("world, gib", [(2, 1.0), (4, 0.75)])
+def test_the_documented_traffic_at_1024_in_bf16(world, gib):
+    # the formula the traffic test checks against counted bytes, at the released model's size (docs/multigpu.md)
+    assert cached_step_bytes(64 * 64, 4096, 32, world, 2) == gib * 2**30
 
 
 def test_three_ranks_are_refused_for_four_heads_and_32():
