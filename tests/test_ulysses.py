@@ -24,7 +24,7 @@ from qi21.model.transformer.dit import PrefixInputs
 from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.nodes.loaders import QI21ModelLoader
 from qi21.nodes.lora import QI21LoraLoader
-from qi21.nodes.samplers import QI21TurboSampler
+from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 
 EXACT = 1e-5  # fp32: the split model against one process
 WORLD = 2
@@ -162,7 +162,7 @@ def test_the_loader_and_sampler_nodes_split_the_model_over_cpu_ranks(pool, model
     expected_plain = expected[0]["samples"]
     report, single = got.ui["qi21_report"][0], expected.ui["qi21_report"][0]
     assert report["parallel"]["cache_bytes_per_device"] == [single["cache_bytes"] // WORLD] * WORLD
-    assert pools.current_pool() is pool and pool.model_key == split.key
+    assert pools.current_pool() is pool and pool.model_key == (split.key, "ulysses")
 
     # a LoRA on the split model joins its chain: the workers rebuild it with the LoRA, as the host applies it
     lora = tiny.SPEED_LORA_FILE
@@ -171,7 +171,7 @@ def test_the_loader_and_sampler_nodes_split_the_model_over_cpu_ranks(pool, model
     expected = QI21TurboSampler.execute(QI21LoraLoader.execute(whole, lora, 0.8)[0], positive, 5, 64, 96, 1)
     got = QI21TurboSampler.execute(with_lora, positive, 5, 64, 96, 1)
     assert_close(got[0]["samples"], expected[0]["samples"])
-    assert pool.model_key == with_lora.key and not torch.equal(got[0]["samples"], expected_plain)
+    assert pool.model_key == (with_lora.key, "ulysses") and not torch.equal(got[0]["samples"], expected_plain)
 
 
 @pytest.mark.parametrize("devices, parallel, message", [
@@ -180,11 +180,35 @@ def test_the_loader_and_sampler_nodes_split_the_model_over_cpu_ranks(pool, model
     ("gpu0,gpu1", "ulysses", "'gpu0' is not a device"),
     ("cpu", "ulysses", "needs at least two devices"),
     ("cpu,cpu", "off", "needs parallel ulysses"),
-    ("cpu,cpu", "cfg", "parallel = cfg .* is not available yet"),
+    ("cpu,cpu,cpu", "cfg", "parallel = cfg runs CFG's two prompts on two devices; devices names 3"),
 ])
 def test_the_loader_refuses_devices_it_cannot_split_over(models_root, devices, parallel, message):
     with pytest.raises(ValueError, match=message):
         QI21ModelLoader.execute(gf.SINGLE["turbo"], "default", devices=devices, parallel=parallel)
+
+
+@pytest.mark.parametrize("guided", [True, False], ids=["cfg 3 with a negative", "cfg 1"])
+def test_cfg_parallel_puts_each_prompt_on_its_rank_and_equals_one_process(pool, model, guided):
+    pool.ensure_model(("tiny", 0), build_tiny, (0,), mode="cfg")
+    positive, negative = edit(), edit(("t", 4, 8))
+    options = dict(positive=positive, negative=negative, cfg=3.0 if guided else 1.0, seed=6, batch_size=2)
+    latents, reports = split_run(pool, **options)
+    assert_close(latents, one_process(model, **options).latents)
+    # each rank holds its own prompt's whole cache (without guidance both ran the positive one)
+    own = [one_process(model, positive=p, seed=6).report["cache_bytes"]
+           for p in ((positive, negative) if guided else (positive, positive))]
+    assert [r["cache_bytes"] for r in reports] == own
+
+
+def test_the_base_sampler_node_runs_cfg_parallel(pool, models_root):
+    positive = gf.synthetic_conditioning(text_runs=[11], seed=1)
+    negative = gf.synthetic_conditioning(text_runs=[6], seed=2)
+    whole = QI21ModelLoader.execute(gf.SINGLE["model"], "default")[0]
+    split = QI21ModelLoader.execute(gf.SINGLE["model"], "default", devices="cpu,cpu", parallel="cfg")[0]
+    expected = QI21Sampler.execute(whole, positive, 5, 3, 2.5, 64, 64, 1, negative=negative)
+    got = QI21Sampler.execute(split, positive, 5, 3, 2.5, 64, 64, 1, negative=negative)
+    assert_close(got[0]["samples"], expected[0]["samples"])
+    assert got.ui["qi21_report"][0]["parallel"]["mode"] == "cfg"
 
 
 def test_bad_input_fails_alike_on_every_rank_and_the_pool_lives_on(pool):

@@ -226,12 +226,14 @@ class WorkerPool:
         raise WorkerError(f"{self._where(what)} failed on some devices only ({detail}); the workers were shut down "
                           "and the next run starts new ones.")
 
-    def ensure_model(self, key, build, args: tuple = ()) -> bool:
-        """Have every rank hold the model chain `key` (`build(*args)`, built in the worker); True if it was built."""
+    def ensure_model(self, key, build, args: tuple = (), mode: str = "ulysses") -> bool:
+        """Have every rank hold the model chain `key` (`build(device, *args)`, built in the worker, split by `mode`);
+        True if it was built."""
+        key = (key, mode)
         if self.model_key == key:
             return False
         self.model_key = None
-        self.call(worker.load_model, key, build, args, what="loading the model")
+        self.call(worker.load_model, key, build, args, mode, what="loading the model")
         self.model_key = key
         return True
 

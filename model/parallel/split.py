@@ -35,7 +35,8 @@ def load_dit_on(device: torch.device, path: str, weight_dtype: str, attention: s
 
 @dataclass(frozen=True)
 class SplitModel:
-    """The recipe of a DiT that runs split over `devices` (`mode` "ulysses"): `build(device, *args)` builds it in
+    """The recipe of a DiT that runs split over `devices` (`mode` "ulysses" or "cfg", model/parallel/cfg.py):
+    `build(device, *args)` builds it in
     each worker (picklable by reference), `loras` are applied after. `source` is what the file says (the variant,
     for the samplers' checks), read in the host without loading weights; None when unknown."""
 
@@ -60,7 +61,7 @@ class SplitModel:
     def pool(self) -> pools.WorkerPool:
         """The running workers for these devices, holding this chain (started or rebuilt as needed)."""
         workers = pools.pool_for(self.devices, threads=self.threads, hang_seconds=self.hang_seconds)
-        workers.ensure_model(self.key, build_chain, (self.build, self.args, self.loras))
+        workers.ensure_model(self.key, build_chain, (self.build, self.args, self.loras), mode=self.mode)
         return workers
 
     def sample(self, positive, *, check_interrupt=None, on_progress=None, **options) -> SampleResult:

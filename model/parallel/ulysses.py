@@ -30,7 +30,7 @@ from ..transformer.attention import target_attention
 from ..transformer.prefix_cache import LayerKV, PrefixKVCache
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); torch >= 2.4 is supported, so take what exists
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def check_world(num_heads: int, world: int) -> None:
@@ -157,7 +157,7 @@ class Ulysses:
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """`(N, *t.shape)`: every rank's `t` in rank order (gloo wants the output as one dim-0 concatenation)."""
         parts = t.new_empty(self.world * t.shape[0], *t.shape[1:])
-        _all_gather_single(parts, t.contiguous(), group=self.group)
+        all_gather_single(parts, t.contiguous(), group=self.group)
         return parts.view(self.world, *t.shape)
 
     def _mine(self, part: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Every rank runs the same job on the same inputs (ranks act alike): the coordinator (pool.py) puts one job on each
 rank's queue and waits for all answers. A job is a function of this module's `Rank` state, picklable by reference:
 `load_model` builds the model chain once and keeps it across prompts, `run_sample` runs the whole sampling loop
-(model/sampling/loop.py) with the model split by `Ulysses`, the rank's heads of the prefix cache in the rank's own
-store (kept caches behave as in one process, on each rank's shard).
+(model/sampling/loop.py) with the model split by `Ulysses` (the rank's heads of the prefix cache in the rank's own
+store: kept caches behave as in one process, on each rank's shard) or by `CfgParallel` (the rank's prompt).
 
 Messages to the coordinator on the shared results queue: `("ready", rank, info)`, `("progress", job_id, rank,
 step, total)` after every step, `(job_id, rank, status, value)` with status "ok", "interrupted" or "error".
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..sampling.cache_store import PrefixCacheStore
 from ..sampling.loop import sample
+from .cfg import CfgParallel
 from .ulysses import Ulysses
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a rank waiting longer on its peers gives up (the pool notices sooner)
@@ -61,16 +62,17 @@ class Rank:
             raise Interrupted(f"interrupted after step {step + 1} of {total}")
 
 
-def load_model(state: Rank, key, build, args: tuple) -> dict:
-    """Make `build(device, *args)` (a `QwenImage21DiT` on this rank's device) this rank's model unless the chain `key`
-    is already loaded. The old chain and its kept caches go first: two 7B models on one device do not fit."""
+def load_model(state: Rank, key, build, args: tuple, mode: str = "ulysses") -> dict:
+    """Make `build(device, *args)` (a `QwenImage21DiT` on this rank's device) this rank's model, split by `mode`
+    ("ulysses" or "cfg"), unless the chain `key` is already loaded. The old chain and its kept caches go first: two 7B
+    models on one device do not fit."""
     if state.model_key == key and state.model is not None:
         return {"loaded": False}
     state.store.clear()
     state.model = state.model_key = None
     gc.collect()
     model = build(state.device, *args).to(state.device).eval()
-    model.parallel = Ulysses(model.config.num_heads)
+    model.parallel = CfgParallel() if mode == "cfg" else Ulysses(model.config.num_heads)
     state.model, state.model_key = model, key
     return {"loaded": True}
 
@@ -80,10 +82,25 @@ def run_sample(state: Rank, options: dict) -> dict:
     if state.model is None:
         raise RuntimeError("no model is loaded in this worker; the coordinator sends load_model first.")
     store = state.store if options.get("keep_cache") else None
+    if isinstance(state.model.parallel, CfgParallel):
+        options = _own_prompt(state.model.parallel, state.rank, dict(options))
     with torch.no_grad():
         result = sample(state.model, **options, store=store, new_cache=state.model.parallel.new_cache,
                         callback=lambda info: state.step_done(info.step, info.total))
     return {"latents": by_value(result.latents.cpu()) if state.rank == 0 else None, "report": result.report}
+
+
+def _own_prompt(split: CfgParallel, rank: int, options: dict) -> dict:
+    """CFG-parallel: rank 0 samples the positive prompt, rank 1 the negative, each as a run without guidance; the
+    model's `gather` applies the run's cfg to their two velocities (without true CFG both run the positive)."""
+    negative, cfg = options.pop("negative", None), float(options.pop("cfg", 1.0))
+    if not cfg >= 1.0:
+        raise ValueError(f"cfg must be >= 1 (1 disables guidance); got {cfg}.")
+    guided = negative is not None and cfg > 1.0
+    split.scale = cfg if guided else None
+    if guided and rank == 1:
+        options["positive"] = negative
+    return options
 
 
 def clear_caches(state: Rank) -> dict:
