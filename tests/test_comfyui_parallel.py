@@ -1,7 +1,7 @@
 """The model split over two CPU ranks inside a real ComfyUI server: a /prompt whose loader names `devices` cpu,cpu and
 `parallel` ulysses gives the image the single-process prompt gives, the workers stay for the next prompt, a worker
 killed mid-run gives an error naming it and its step and the next prompt starts clean workers, /interrupt stops the
-ranks and keeps them, and /free ends them.
+ranks and keeps them, CFG-parallel draws what one process draws, and /free ends them.
 
 Skipped unless a ComfyUI checkout is configured (tests/test_comfyui_server.py's docstring has the set-up); shares that
 module's server. Linux only where it counts the workers (children of the server that multiprocessing spawned).
@@ -143,6 +143,25 @@ def test_a_killed_worker_is_named_and_the_next_prompt_starts_clean_ones(server, 
     fresh = server.run_prompt(split(turbo))
     assert fresh["status"]["status_str"] == "success" and np.array_equal(image(server, fresh), reference)
     assert len(workers(server)) == 2 and not set(workers(server)) & set(pids)
+
+
+def test_cfg_parallel_draws_what_one_process_draws(server):
+    prompt, _ = harness.shrink_prompt(json.loads((WORKFLOWS / "text_to_image_base.json").read_text()))
+    sampler_id, sampler = next((k, n) for k, n in prompt.items() if n["class_type"] == "QI21Sampler")
+    encode = prompt[sampler["inputs"]["positive"][0]]
+    prompt["99"] = {"class_type": "QI21TextEncode",
+                    "inputs": {"text_encoder": encode["inputs"]["text_encoder"], "prompt": "blurry, low quality"}}
+    sampler["inputs"].update(negative=["99", 0], cfg=3.0)
+    single = server.run_prompt(prompt)
+    cfg = split(prompt)
+    next(n for n in cfg.values() if n["class_type"] == "QI21ModelLoader")["inputs"]["parallel"] = "cfg"
+    got = server.run_prompt(cfg)
+    assert got["status"]["status_str"] == "success", server.log_tail()
+    # the latents agree to float rounding (the two prompts run as two forwards instead of one ragged one, cfg 3
+    # amplifies the difference), so a pixel may round to the neighbouring 8-bit value
+    difference = np.abs(image(server, got).astype(int) - image(server, single).astype(int))
+    assert difference.max() <= 1 and (difference > 0).mean() < 0.01, (difference.max(), (difference > 0).mean())
+    assert report(got)["parallel"]["mode"] == "cfg" and len(workers(server)) == 2
 
 
 def test_free_ends_the_workers(server, turbo):
