@@ -7,6 +7,7 @@ from ..model.loaders.controlnet import apply_controlnet, load_controlnet
 from . import bridge, placement
 from .bridge import io
 from .loaders import checked_path, default_dtype, file_changed_key, file_problem, load_or_free
+from .parallel import refuse_split
 from .types import CATEGORY, VAE, ControlNet, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
@@ -110,6 +111,7 @@ class QI21ControlNetApply(io.ComfyNode):
     def execute(cls, model, control_net, vae, strength=1.0, start_percent=0.0, end_percent=1.0, control_image=None,
                 inpaint_image=None, mask=None, **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
+        refuse_split(model, "The Fun ControlNet")
         require(cls.validate_inputs(start_percent=start_percent, end_percent=end_percent, strength=strength))
         given = {"control_image": control_image, "inpaint_image": inpaint_image, "mask": mask}
         inputs = tuple(name for name, value in given.items() if value is not None)

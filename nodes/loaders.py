@@ -18,6 +18,7 @@ from ..model.memory.planner import PLAN_CHOICES
 from ..model.transformer.compiled import COMPILE_MODES, compile_blocks
 from . import bridge
 from .bridge import io
+from .parallel import DEVICES_TOOLTIP, PARALLEL_MODES, PARALLEL_TOOLTIP, split_model
 from .placement import PLAN_TOOLTIP
 from .types import CATEGORY, VAE, Model, TextEncoder
 from .validation import refuse_unknown_inputs, require, widget_problem
@@ -130,6 +131,9 @@ class QI21ModelLoader(io.ComfyNode):
                                tooltip=PLAN_TOOLTIP),
                 io.Combo.Input("compile", options=list(COMPILE_MODES), default="off", optional=True,
                                tooltip=COMPILE_TOOLTIP),
+                io.String.Input("devices", default="", optional=True, tooltip=DEVICES_TOOLTIP),
+                io.Combo.Input("parallel", options=list(PARALLEL_MODES), default="off", optional=True,
+                               tooltip=PARALLEL_TOOLTIP),
             ],
             outputs=[Model.Output(display_name="model")],
         )
@@ -144,10 +148,14 @@ class QI21ModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model_name, weight_dtype, attention="auto", plan="auto", compile="off",  # noqa: A002 (its name)
-                **unknown) -> io.NodeOutput:
+                devices="", parallel="off", **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "diffusion_models", model_name, weight_dtype=weight_dtype, attention=attention,
-                             plan=plan, compile=compile)
+                             plan=plan, compile=compile, parallel=parallel)
+        split = split_model(devices, parallel, path, weight_dtype, attention)
+        if split is not None:  # loaded by the workers on their devices, on the first run (nodes/parallel.py)
+            bridge.log.info("qi21: %s will run split over %s (%s)", path.name, ", ".join(split.devices), parallel)
+            return io.NodeOutput(split)
         weight_dtype = default_dtype(weight_dtype, bridge.compute_device())
         model = load_or_free(load_dit, path, weight_dtype=weight_dtype, device=bridge.offload_device(),
                              attention=attention)

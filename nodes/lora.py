@@ -6,6 +6,7 @@ that uses the model without the LoRA gets the model without the LoRA.
 """
 
 from ..model.loaders.lora import apply_lora
+from ..model.parallel.split import SplitModel
 from . import bridge
 from .bridge import io
 from .loaders import checked_path, file_changed_key, file_problem, load_or_free
@@ -54,5 +55,7 @@ class QI21LoraLoader(io.ComfyNode):
     def execute(cls, model, lora_name, strength, **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "loras", lora_name, strength=strength)
+        if isinstance(model, SplitModel):  # the workers apply it when they build the chain (model/parallel/split.py)
+            return io.NodeOutput(model.with_lora(path, strength, name=lora_name))
         return io.NodeOutput(load_or_free(apply_lora, model, path, strength, name=lora_name))
 

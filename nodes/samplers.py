@@ -5,6 +5,7 @@ import json
 import torch
 
 from ..model.layers.kitchen import gemm_summary
+from ..model.parallel.split import SplitModel
 from ..model.sampling.cache_options import cache_options
 from ..model.sampling.img2img import (
     check_denoise,
@@ -26,7 +27,7 @@ from ..model.vae.latents import (
     sampling_size,
     target_size,
 )
-from . import bridge, observability, placement
+from . import bridge, observability, parallel, placement
 from .bridge import io
 from .comfy_sampling import sampler_runner
 from .types import CATEGORY, Conditioning, Model
@@ -163,14 +164,18 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
 
     # a SAMPLER is checked before anything is loaded; its model_sampling is shifted as the official schedule is
     runner = sampler_name = None
+    split = isinstance(model, SplitModel)  # the DiT runs in worker processes (nodes/parallel.py)
+    if split and sampler_object is not None:
+        raise ValueError("the sampler input (a ComfyUI SAMPLER) runs in ComfyUI's process and cannot drive a model "
+                         "split over several devices; disconnect it or load the model with parallel off.")
     if sampler_object is not None:
         mu = 0.0 if sampler == "turbo" else schedule_mu(latent_tokens(width, height))
         sampler_name, runner = sampler_runner(sampler_object, seed=seed, mu=mu)
     # The memory plan, made before the noise or anything else is allocated: a run that fits no placement (a
     # 4096x4096 batch of 64 is within the widgets' limits and would otherwise grow until the OS kills the server)
     # is refused here with the least memory it needs and what to change (model/memory/planner.py).
-    job = placement.plan_sampling(model, positive, negative if cfg > 1 else None, width, height, batch_size,
-                                  cached)
+    job = None if split else placement.plan_sampling(model, positive, negative if cfg > 1 else None, width, height,
+                                                     batch_size, cached)
     progress = bridge.Progress(len(sigmas) - 1)
     show_previews = bridge.previews_enabled()
 
@@ -183,22 +188,30 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     start = None if raw is None else positive.latent_format.normalize(raw)
     noise_mask = None if mask is None else latent_mask(mask, grid, batch_size)
     # -- memory plan (nodes/placement.py): load as planned, stream blocks / cache if planned, report plan and peak --
-    with job.placed():
-        result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise, negative=negative,
-                        cfg=cfg, prefix_cache=cached, keep_cache=keep_cache, callback=on_step,
-                        check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
-                        add_noise=add_noise, new_cache=job.new_cache, store=job.store, sampler=runner,
-                        cache_dtype=options.dtype, step_cache=step_cache_options(model))
+    if split:
+        result = parallel.sample_split(model, positive, progress, sigmas=sigmas, width=width, height=height,
+                                       noise=noise, negative=negative, cfg=cfg, prefix_cache=cached,
+                                       keep_cache=keep_cache, latent_image=start, noise_mask=noise_mask,
+                                       add_noise=add_noise, cache_dtype=options.dtype)
+    else:
+        with job.placed():
+            result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise,
+                            negative=negative, cfg=cfg, prefix_cache=cached, keep_cache=keep_cache, callback=on_step,
+                            check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
+                            add_noise=add_noise, new_cache=job.new_cache, store=job.store, sampler=runner,
+                            cache_dtype=options.dtype, step_cache=step_cache_options(model))
     report = dict(result.report)
     if sampler_name is not None:
         report["sampler"] = sampler_name
-    report.update(job.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
-    kept, store_notes = job.store_report(keep_cache)  # what the kept store holds; evictions made for this run
-    report.update(kept)
+    store_notes = []
+    if job is not None:
+        report.update(job.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
+        kept, store_notes = job.store_report(keep_cache)  # what the kept store holds; evictions made for this run
+        report.update(kept)
     for note in store_notes:
         bridge.log.info("qi21 %s sampler: %s", sampler, note)
     notes += store_notes
-    gemm = gemm_summary(model, bridge.compute_device())
+    gemm = {} if split else gemm_summary(model, bridge.compute_device())
     if gemm:  # per quantized format: its own GEMM kernel, or dequantized per layer before a plain GEMM
         report["quantized_gemm"] = gemm
     if notes:

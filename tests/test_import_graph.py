@@ -21,6 +21,7 @@ LAYERS = (
     ("model.loaders",),
     ("model.memory",),
     ("model.sampling",),
+    ("model.parallel",),  # Ulysses over several processes: runs the sampling loop on each rank
     ("nodes.comfy_standin",),
     ("nodes.bridge",),
     ("nodes.types", "nodes.validation"),

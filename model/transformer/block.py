@@ -1,6 +1,7 @@
 """One block of the Qwen-Image 2.1 DiT, the row buffer it runs over (`Rows`) and the DiT's config: the part a
 second stream of the same blocks (the Fun ControlNet, controlnet.py) shares with the DiT (dit.py)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -77,9 +78,11 @@ class Rows:
         chunk_first: per chunk, the prefix rows before it (read from the cache), 0 for a whole prefix.
         chunk_masks: per chunk, its flex block mask (a whole prefix on the flex backend), else None; empty when
             no chunk has one.
+        target_attention: the target rows' attention (`attention.target_attention`'s signature); a parallel run
+            puts its own here (model/parallel/ulysses.py: all-to-alls around this rank's heads).
 
-    Everything a block reads here is tensors, ints and tuples of them, no closures and no layouts, so a compiled
-    block guards on nothing that changes with the prompt (`compiled.py`).
+    Everything a block reads here is tensors, ints and tuples of them (and one module-level function), no closures
+    and no layouts, so a compiled block guards on nothing that changes with the prompt (`compiled.py`).
     """
 
     mode: str
@@ -95,6 +98,7 @@ class Rows:
     chunk_segments: tuple[torch.Tensor, ...] = ()
     chunk_first: tuple[int, ...] = ()
     chunk_masks: tuple = ()
+    target_attention: Callable = target_attention
 
     @property
     def target_start(self) -> int:
@@ -273,7 +277,7 @@ class Block(nn.Module):
         attn_t = attn[t0 - first_out :].view(samples, length, heads, head_dim)
         for g, pick in enumerate(rows.readers):
             if pick is not None:
-                attn_t[pick] = target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
+                attn_t[pick] = rows.target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
 
         if drop_prefix:
             x = x[t0:]

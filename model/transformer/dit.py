@@ -125,6 +125,9 @@ class QwenImage21DiT(nn.Module):
         self.source = None  # what the loader read (loaders.dit_keys.DiTSource); None for a model built in code
         self.manager = None  # the host's memory-management handle (nodes/bridge.py keeps ComfyUI's patcher here)
         self.compile_mode = "off"  # compiled.COMPILE_MODES; set with compiled.compile_blocks
+        # this process's share of a forward split over several (model/parallel/ulysses.py: `shard` after `prepare`,
+        # `gather` after the output head); None: this process does all of it
+        self.parallel = None
         width = config.width
         self.time_embed = TimestepEmbedding(width, device=device, dtype=dtype)
         self.txt_in = TextProjection(config.context_in_dim, width, config.eps, device=device, dtype=dtype)
@@ -175,6 +178,11 @@ class QwenImage21DiT(nn.Module):
         extra = control.cache_layers if control is not None else 0
         x, mods, final_scale, rows = self.prepare(target, timestep, prefixes, sample_prefix, cache, mode, attention,
                                                   extra_cache_layers=extra)
+        if self.parallel is not None:
+            if control is not None:
+                raise ValueError("a Fun ControlNet does not run split over several devices yet; load the model "
+                                 "with parallel off to use it.")
+            x, rows = self.parallel.shard(x, rows)
         if control is not None:
             control.start(x, mods, rows, cache)
         if step_cache is not None:
@@ -189,10 +197,14 @@ class QwenImage21DiT(nn.Module):
             if step_cache is not None and index == 0:
                 replayed = step_cache.after_first_block(x, rows)
                 if replayed is not None:  # a skipped call: the output layer reads the target rows only
-                    return self.final_layer(replayed, final_scale, rows)
+                    return self._gathered(self.final_layer(replayed, final_scale, rows), target)
         if step_cache is not None:
             step_cache.after_blocks(x, rows)
-        return self.final_layer(x, final_scale, rows)
+        return self._gathered(self.final_layer(x, final_scale, rows), target)
+
+    def _gathered(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The velocity of every target row: this process's own, or gathered from every rank of a split forward."""
+        return out if self.parallel is None else self.parallel.gather(out, target.shape[1])
 
     def prepare(self, target, timestep, prefixes, sample_prefix=None, cache=None, mode="uncached", attention=None,
                 extra_cache_layers: int = 0):
