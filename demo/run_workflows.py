@@ -3,8 +3,8 @@
     python demo/run_workflows.py [--models DIR] [--out DIR] [--workflows PATH] [--input DIR] [--quick] [--verbose]
     python -m demo.run_workflows ...     (the same, from the repository root)
 
-By default the models are the toy trained here (demo/toy_model.py: it draws the flat shapes of its small
-vocabulary): the shipped workflows run with a prompt of that vocabulary in place of theirs and toy scenes as their
+By default the models are the toy trained here (demo/toy_model.py: it draws flat shapes, though not yet the ones
+its prompt asks for): the shipped workflows run with a prompt of that vocabulary in place of theirs and toy scenes as their
 input images, and `<out>/contact_sheet.png` shows every output with its prompt. `--random` uses the tiny random
 set instead (every file layout, images are noise), `--models DIR` real weights.
 
@@ -58,8 +58,8 @@ from .toy_model import write_toy_checkpoints
 from .toy_workflows import contact_sheet, toy_overrides, write_toy_inputs
 from .workflow_runner import QUICK_NOTE, TINY_BANNER, Runner, WorkflowResult, load_workflow
 
-TOY_BANNER = ("USING THE TOY MODEL TRAINED HERE (demo/toy_model.py): it draws flat shapes from a small vocabulary; "
-              "pass --models for real weights")
+TOY_BANNER = ("USING THE TOY MODEL TRAINED HERE (demo/toy_model.py): it draws flat shapes but does not follow its "
+              "prompts yet; pass --models for real weights")
 SHIPPED_WORKFLOWS = ROOT / "workflows" / "api"
 
 

@@ -93,7 +93,8 @@ class FlowDenoiser:
     loop's, which owns the cache ("prefill" until the cache that sigma reads is filled, then "cached"; "uncached"
     with the cache off), whatever sigma a sampler asks for and however many calls a step makes. `on_call(info)` runs
     after every call (progress, previews, interrupt); `clock`/`modes` record the calls' times and modes for the
-    report. `mode_of` and `forward` get sigma as a float only when `reads_sigma` (a control window decides by it);
+    report. `mode_of` and `forward` get sigma as a float only when `reads_sigma` (a control window or a step cache
+    decides by it);
     otherwise they get None and a sigma on the GPU is never copied to the host."""
 
     def __init__(self, forward, *, dtype, device, use_cfg: bool, cfg: float, grid, mode_of, clock=None, modes=None,

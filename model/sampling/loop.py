@@ -340,7 +340,7 @@ def sample(
 
             denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=cfg, grid=grid,
                                     mode_of=mode_of, clock=clock, modes=modes, on_call=callback,
-                                    reads_sigma=control is not None)
+                                    reads_sigma=control is not None or skipper is not None)
             start = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
             kept = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
             final = run_sampler(sampler, denoiser, sigmas, noise, start, kept, add_noise)
