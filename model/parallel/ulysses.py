@@ -80,12 +80,15 @@ class HeadShardedKVCache(PrefixKVCache):
 class HeadShardLayerKV(LayerKV):
     """A layer of a `HeadShardedKVCache`: the block hands it every head's keys/values, it stores the rank's."""
 
-    __slots__ = ()
+    __slots__ = ("heads",)
+
+    def __init__(self, cache: HeadShardedKVCache, layer: int):
+        super().__init__(cache, layer)
+        self.heads = cache.heads
 
     def store(self, group: int, key: torch.Tensor, value: torch.Tensor) -> None:
         # views, written through: a quantized store puts the rounded rows back into the block's buffer
-        heads = self.cache.heads
-        super().store(group, key[:, heads], value[:, heads])
+        super().store(group, key[:, self.heads], value[:, self.heads])
 
 
 def _pad_rows(t: torch.Tensor, samples: int, length: int, padded: int) -> torch.Tensor:
@@ -135,10 +138,7 @@ class Ulysses:
 
         x = torch.cat([x[:t0], mine(x)]) if t0 else mine(x).contiguous()
         rope = torch.cat([rows.rope[:t0], mine(rows.rope)]) if t0 else mine(rows.rope).contiguous()
-        prefix_attention = rows.prefix_attention
-        if prefix_attention is not None:
-            prefix_attention = partial(self._prefix_attention, prefix_attention)
-        return x, replace(rows, target_len=local, rope=rope, prefix_attention=prefix_attention,
+        return x, replace(rows, target_len=local, rope=rope, prefix_split=self._prefix_attention,
                           target_attention=partial(self._target_attention, length))
 
     def gather(self, out: torch.Tensor, target_len: int) -> torch.Tensor:

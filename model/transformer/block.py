@@ -80,6 +80,8 @@ class Rows:
             no chunk has one.
         target_attention: the target rows' attention (`attention.target_attention`'s signature); a parallel run
             puts its own here (model/parallel/ulysses.py: all-to-alls around this rank's heads).
+        prefix_split: None, or a parallel run's `(chunk_attention, c, q, k, v, kv) -> out` around a prefill chunk's
+            attention (ulysses.py: this rank's heads, then gathered).
 
     Everything a block reads here is tensors, ints and tuples of them (and one module-level function), no closures
     and no layouts, so a compiled block guards on nothing that changes with the prompt (`compiled.py`).
@@ -99,6 +101,7 @@ class Rows:
     chunk_first: tuple[int, ...] = ()
     chunk_masks: tuple = ()
     target_attention: Callable = target_attention
+    prefix_split: Callable | None = None
 
     @property
     def target_start(self) -> int:
@@ -110,8 +113,15 @@ class Rows:
                        chunk_segments=(), chunk_first=(), chunk_masks=())
 
     def prefix_attention(self, c: int, q, k, v, kv=None) -> torch.Tensor:
-        """Block-causal attention of chunk c's rows `(n, heads, head_dim)`: a whole prefix over itself, a chunk
-        after a reused leading run over that run's keys and values (read from `kv`, this layer's cache) and itself."""
+        """Block-causal attention of chunk c's rows `(n, heads, head_dim)` (`chunk_attention`), through
+        `prefix_split` when a parallel run set one."""
+        if self.prefix_split is not None:
+            return self.prefix_split(self.chunk_attention, c, q, k, v, kv)
+        return self.chunk_attention(c, q, k, v, kv)
+
+    def chunk_attention(self, c: int, q, k, v, kv=None) -> torch.Tensor:
+        """A whole prefix over itself, a chunk after a reused leading run over that run's keys and values (read from
+        `kv`, this layer's cache) and itself."""
         if self.chunk_masks and self.chunk_masks[c] is not None:
             return prefix_attention_flex(q, k, v, self.chunk_masks[c])
         first = self.chunk_first[c]
