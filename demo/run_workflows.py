@@ -4,8 +4,8 @@
     python -m demo.run_workflows ...     (the same, from the repository root)
 
 By default the models are the toy trained here (demo/toy_model.py: it draws flat shapes, though not yet the ones
-its prompt asks for): the shipped workflows run with a prompt of that vocabulary in place of theirs and toy scenes as their
-input images, and `<out>/contact_sheet.png` shows every output with its prompt. `--random` uses the tiny random
+its prompt asks for): the shipped workflows run with a prompt of that vocabulary in place of theirs and toy scenes
+as their input images, and `<out>/contact_sheet.png` shows every output with its prompt. `--random` uses the tiny random
 set instead (every file layout, images are noise), `--models DIR` real weights.
 
 Every `*.json` in `--workflows` (default: workflows/api/) is run the way ComfyUI's executor would run it:
