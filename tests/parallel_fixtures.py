@@ -27,7 +27,9 @@ def build_tiny(device="cpu", seed: int = 0) -> QwenImage21DiT:
 
 
 def prompt(*items) -> Conditioning:
-    """`("t", n, seed)`: n text rows drawn from `seed`; `((h, w), seed)`: a reference of that latent size."""
+    """A conditioning from items: `("t", n, seed)` n text rows drawn from `seed` (the same seed gives the same
+    rows, as the encoder gives the same states to the same leading tokens) or `((h, w), seed)` a reference of that
+    latent size. Shared with tests/test_prefix_reuse.py."""
     text, slots, refs, shapes = [], [], [], []
     for item in items:
         if item[0] == "t":

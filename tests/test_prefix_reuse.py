@@ -8,6 +8,7 @@ import torch
 
 from dit_fixtures import reference_velocity
 from oracle import BASE_SCHEDULER, diffusers_loop
+from parallel_fixtures import prompt
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import initial_noise, sample
@@ -22,26 +23,6 @@ GRID = (HEIGHT // 16, WIDTH // 16)
 STEPS = 4
 EXACT = 1e-5  # against our own fresh run and diffusers' (forward and whole loops)
 REF_A, REF_B = ((8, 8), 11), ((4, 8), 12)  # (latent shape, seed): the two references of an edit
-
-
-def prompt(*items) -> Conditioning:
-    """A conditioning from items: `("t", n, seed)` n text rows drawn from `seed` (the same seed gives the same
-    rows, as the encoder gives the same states to the same leading tokens) or `((h, w), seed)` a reference."""
-    text, slots, refs, shapes = [], [], [], []
-    for item in items:
-        if item[0] == "t":
-            _, count, seed = item
-            text.append(torch.randn(count, 48, generator=torch.Generator().manual_seed(seed)))
-            slots += [False] * count
-        else:
-            (h, w), seed = item
-            generator = torch.Generator().manual_seed(seed)
-            text.append(torch.randn(h * w // 4, 48, generator=generator))
-            refs.append(torch.randn(h * w, 64, generator=generator))
-            slots += [True] * (h * w // 4)
-            shapes.append((h, w))
-    return Conditioning(text=torch.cat(text), image_slots=torch.tensor(slots),
-                        references=torch.cat(refs) if refs else None, ref_shapes=tuple(shapes))
 
 
 def edit(instruction=("t", 7, 3), refs=(REF_A, REF_B)):

@@ -50,8 +50,16 @@ def with_cache_options(model, device: str = "auto", dtype: str = "default"):
             raise ValueError(f"dtype {dtype}: {error}") from None
     if options == DEFAULT_OPTIONS and cache_options(model) == DEFAULT_OPTIONS:
         return model
+    return option_copy(model, cache_options=options)
+
+
+def option_copy(model, **options):
+    """`model` as a new model object sharing every weight, with `options` set as attributes (the Prefix Cache and
+    Step Cache nodes' copies). The prefix cache is unaffected, so the copy keeps the model's kept prefixes
+    (`cache_base`); the host's memory handle (ComfyUI's patcher) stays with the original object."""
     new = clone_tree(model)
-    new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object
+    new.manager = None
     new.cache_base = model
-    new.cache_options = options
+    for name, value in options.items():
+        setattr(new, name, value)
     return new

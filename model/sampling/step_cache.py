@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loaders.lora import clone_tree
+from .cache_options import option_copy
 
 MODES = ("off", "t8", "extrapolate")
 #: T8 BlockCache 0.1.3's `CacheConfig` defaults; 0.03 for edits is its README's advice.
@@ -84,11 +84,7 @@ def with_step_cache(model, options: StepCacheOptions | None):
         options = None
     if options == step_cache_options(model):
         return model
-    new = clone_tree(model)
-    new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object
-    new.cache_base = model
-    new.step_cache = options
-    return new
+    return option_copy(model, step_cache=options)
 
 
 def _sampled(target: torch.Tensor) -> torch.Tensor:
