@@ -331,12 +331,12 @@ class QwenImage21DiT(nn.Module):
             raise ValueError("a prefill or uncached step needs the prompt's text states (PrefixInputs.text).")
         rows = torch.empty(layout.prefix_len, self.config.width, dtype=dtype, device=device)
         text = prefix.text.to(device=device, dtype=dtype)[layout.text_src.to(device)]
-        rows[layout.text_dst.to(device)] = self.txt_in(text)
+        rows[layout.text_dst.to(device)] = self.txt_in(text).to(dtype)  # .to: autocast (training) runs bf16
         if layout.ref_tokens:
             if prefix.references is None or prefix.references.shape[0] != layout.ref_tokens:
                 got = None if prefix.references is None else tuple(prefix.references.shape)
                 raise ValueError(f"the layout places {layout.ref_tokens} reference latent tokens, got {got}.")
-            rows[layout.ref_dst.to(device)] = self.img_in(prefix.references.to(device=device, dtype=dtype))
+            rows[layout.ref_dst.to(device)] = self.img_in(prefix.references.to(device=device, dtype=dtype)).to(dtype)
         return rows
 
     def _flex_masks(self, prefixes, chunks, backend, device) -> tuple:
