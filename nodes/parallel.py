@@ -8,10 +8,11 @@ from ..model.parallel.pool import parse_devices
 from ..model.parallel.split import PARALLEL_MODES, SplitModel, load_dit_on
 from . import bridge
 
-DEVICES_TOOLTIP = ("Empty (default): the model runs in ComfyUI's process on its device. A comma list such as "
-                   "cuda:0,cuda:1 with parallel ulysses splits every step over those GPUs: one worker process per GPU, "
-                   "each holding the whole model and 1/N of the prefix cache, kept between prompts. cpu,cpu runs two "
-                   "CPU ranks (for tests).")
+DEVICES_TOOLTIP = ("Empty (default): the model runs in ComfyUI's process on its device. One device (cuda:1) with "
+                   "parallel off runs the DiT in a worker process on that GPU, the text encoder and VAE staying on "
+                   "ComfyUI's. A comma list such as cuda:0,cuda:1 with parallel ulysses or cfg splits every step over "
+                   "those GPUs: one worker process per GPU, each holding the whole model, kept between prompts. "
+                   "cpu,cpu runs two CPU ranks (for tests).")
 PARALLEL_TOOLTIP = ("off (default): one device. ulysses: each step's image rows and attention heads are split over "
                     "the devices (N must divide the 32 heads: 2, 4 or 8 GPUs); about 1.0 GiB (N = 2) or 0.75 GiB "
                     "(N = 4) crosses the links per GPU and step at 1024x1024 in bf16, so it pays on NVLink, less on "
@@ -34,14 +35,15 @@ def split_model(devices: str, parallel: str, path, weight_dtype: str, attention:
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}; got {parallel!r}.")
     names = parse_devices(devices or "")
     if parallel == "off":
-        if names:
-            raise ValueError(f"devices = {devices!r} needs parallel ulysses (a per-component device for the DiT alone "
-                             "is not available yet); leave devices empty to run on ComfyUI's device.")
-        return None
+        if not names:
+            return None
+        if len(names) > 1:
+            raise ValueError(f"devices = {devices!r} names {len(names)} devices with parallel off; name one (the DiT "
+                             "on a device of its own) or choose ulysses or cfg to split it over them.")
     if parallel == "cfg" and len(names) != 2:
         raise ValueError(f"parallel = cfg runs CFG's two prompts on two devices; devices names {len(names)} "
                          f"({devices!r}). Use ulysses for more.")
-    if len(names) < 2:
+    if len(names) < 2 and parallel != "off":
         raise ValueError(f"parallel = {parallel} needs at least two devices in devices (e.g. cuda:0,cuda:1); got "
                          f"{devices!r}.")
     if weight_dtype == "default" and names[0] == "cpu":  # as the single-device loader does on a CPU
@@ -60,5 +62,5 @@ def sample_split(model: SplitModel, positive, progress, **options):
 def refuse_split(model, node: str) -> None:
     """A clear error for a node that needs the model in this process (it changes the model's modules or options)."""
     if isinstance(model, SplitModel):
-        raise ValueError(f"{node} does not work with a model split over several devices ({', '.join(model.devices)}) "
-                         "yet; load the model with parallel off to use it.")
+        raise ValueError(f"{node} does not work with a model run in worker processes (devices "
+                         f"{', '.join(model.devices)}) yet; leave the loader's devices empty to use it.")

@@ -167,7 +167,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     split = isinstance(model, SplitModel)  # the DiT runs in worker processes (nodes/parallel.py)
     if split and sampler_object is not None:
         raise ValueError("the sampler input (a ComfyUI SAMPLER) runs in ComfyUI's process and cannot drive a model "
-                         "split over several devices; disconnect it or load the model with parallel off.")
+                         "run in worker processes (the loader's devices); disconnect it or leave devices empty.")
     if sampler_object is not None:
         mu = 0.0 if sampler == "turbo" else schedule_mu(latent_tokens(width, height))
         sampler_name, runner = sampler_runner(sampler_object, seed=seed, mu=mu)

@@ -179,7 +179,7 @@ def test_the_loader_and_sampler_nodes_split_the_model_over_cpu_ranks(pool, model
     ("cuda:0,cuda:0", "ulysses", "names a GPU twice"),
     ("gpu0,gpu1", "ulysses", "'gpu0' is not a device"),
     ("cpu", "ulysses", "needs at least two devices"),
-    ("cpu,cpu", "off", "needs parallel ulysses"),
+    ("cpu,cpu", "off", "names 2 devices with parallel off; name one"),
     ("cpu,cpu,cpu", "cfg", "parallel = cfg runs CFG's two prompts on two devices; devices names 3"),
 ])
 def test_the_loader_refuses_devices_it_cannot_split_over(models_root, devices, parallel, message):
@@ -248,3 +248,17 @@ def test_four_ranks_sample_an_edit_with_cfg_as_one_process_with_a_quarter_of_the
         assert [r["cache_bytes"] for r in reports] == [expected.report["cache_bytes"] // 4] * 4
     finally:
         pools.close_pools()
+
+
+def test_one_device_with_parallel_off_runs_the_whole_dit_in_a_worker(models_root):
+    """Per-component devices: the DiT on a device of its own (one worker), the rest in the host; nothing is split."""
+    positive = gf.synthetic_conditioning(text_runs=[11])
+    whole = QI21ModelLoader.execute(gf.SINGLE["turbo"], "default")[0]
+    apart = QI21ModelLoader.execute(gf.SINGLE["turbo"], "default", devices="cpu", parallel="off")[0]
+    assert isinstance(apart, SplitModel) and apart.devices == ("cpu",)
+    expected = QI21TurboSampler.execute(whole, positive, 5, 64, 96, 1)
+    got = QI21TurboSampler.execute(apart, positive, 5, 64, 96, 1)
+    torch.testing.assert_close(got[0]["samples"], expected[0]["samples"], rtol=0, atol=0)  # the same computation
+    single_bytes = expected.ui["qi21_report"][0]["cache_bytes"]
+    assert got.ui["qi21_report"][0]["parallel"]["cache_bytes_per_device"] == [single_bytes]
+    assert len(pools.current_pool().pids) == 1

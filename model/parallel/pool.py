@@ -80,12 +80,13 @@ def parse_devices(text: str, what: str = "devices") -> tuple[str, ...]:
 
 
 class WorkerPool:
-    """One worker process per device (rank i on `devices[i]`), alive until `close`."""
+    """One worker process per device (rank i on `devices[i]`), alive until `close`. One device is a DiT of its own on
+    another device than the host's (no split)."""
 
     def __init__(self, devices, threads: int | None = None, hang_seconds: float = 600.0):
         self.devices = tuple(devices)
-        if len(self.devices) < 2:
-            raise ValueError(f"a worker pool needs at least two devices, got {list(self.devices)}.")
+        if not self.devices:
+            raise ValueError("a worker pool needs at least one device.")
         self.hang_seconds = float(hang_seconds)
         if threads is None:  # CPU ranks share the cores; a GPU rank needs few
             threads = max(1, (os.cpu_count() or 1) // len(self.devices))

@@ -17,7 +17,7 @@ from ..sampling.loop import SampleResult
 from . import pool as pools
 from .worker import from_value, run_sample
 
-PARALLEL_MODES = ("off", "ulysses", "cfg")
+PARALLEL_MODES = ("off", "ulysses", "cfg")  # off with one device: the whole DiT in one worker there
 
 
 def build_chain(device: torch.device, build, args: tuple, loras: tuple):
@@ -35,10 +35,10 @@ def load_dit_on(device: torch.device, path: str, weight_dtype: str, attention: s
 
 @dataclass(frozen=True)
 class SplitModel:
-    """The recipe of a DiT that runs split over `devices` (`mode` "ulysses" or "cfg", model/parallel/cfg.py):
-    `build(device, *args)` builds it in
-    each worker (picklable by reference), `loras` are applied after. `source` is what the file says (the variant,
-    for the samplers' checks), read in the host without loading weights; None when unknown."""
+    """The recipe of a DiT that runs split over `devices` (`mode` "ulysses" or "cfg", model/parallel/cfg.py), or
+    whole on one device of its own (`mode` "off", one worker): `build(device, *args)` builds it in each worker
+    (picklable by reference), `loras` are applied after. `source` is what the file says (the variant, for the
+    samplers' checks), read in the host without loading weights; None when unknown."""
 
     devices: tuple[str, ...]
     build: object

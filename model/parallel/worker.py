@@ -56,9 +56,12 @@ class Rank:
         by one rank must stop all of them at the same step, or the others would wait forever in the next
         all-to-all)."""
         self.results.put(("progress", self.job, self.rank, step + 1, total))
-        flag = torch.tensor([1 if self.interrupt.is_set() else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if int(flag.item()):
+        stop = self.interrupt.is_set()
+        if self.world > 1:
+            flag = torch.tensor([1 if stop else 0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
             raise Interrupted(f"interrupted after step {step + 1} of {total}")
 
 
@@ -72,7 +75,8 @@ def load_model(state: Rank, key, build, args: tuple, mode: str = "ulysses") -> d
     state.model = state.model_key = None
     gc.collect()
     model = build(state.device, *args).to(state.device).eval()
-    model.parallel = CfgParallel() if mode == "cfg" else Ulysses(model.config.num_heads)
+    if state.world > 1:  # one rank: the whole model on its device, nothing to split
+        model.parallel = CfgParallel() if mode == "cfg" else Ulysses(model.config.num_heads)
     state.model, state.model_key = model, key
     return {"loaded": True}
 
@@ -85,7 +89,8 @@ def run_sample(state: Rank, options: dict) -> dict:
     if isinstance(state.model.parallel, CfgParallel):
         options = _own_prompt(state.model.parallel, state.rank, dict(options))
     with torch.no_grad():
-        result = sample(state.model, **options, store=store, new_cache=state.model.parallel.new_cache,
+        split = state.model.parallel
+        result = sample(state.model, **options, store=store, new_cache=None if split is None else split.new_cache,
                         callback=lambda info: state.step_done(info.step, info.total))
     return {"latents": by_value(result.latents.cpu()) if state.rank == 0 else None, "report": result.report}
 
@@ -121,15 +126,17 @@ def _check_allocator(device: torch.device) -> None:
 
 
 def serve(rank: int, world: int, device: str, store_path: str, jobs, results, interrupt, threads: int) -> None:
-    """The worker's life: join the group (gloo on CPUs, NCCL on GPUs, rendezvous through a file), answer jobs until
-    a None arrives, leave the group."""
+    """The worker's life: join the group (gloo on CPUs and for a lone rank, NCCL on several GPUs; rendezvous through
+    a file), answer jobs until a None arrives, leave the group."""
     try:
         torch.set_num_threads(max(1, int(threads)))
         where = torch.device(device)
+        split = world > 1  # one rank (the DiT alone on its device) runs no collective: no NCCL, any allocator
         if where.type == "cuda":
             torch.cuda.set_device(where)
-            _check_allocator(where)
-        backend = "nccl" if where.type == "cuda" else "gloo"
+            if split:
+                _check_allocator(where)
+        backend = "nccl" if where.type == "cuda" and split else "gloo"
         dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=COLLECTIVE_TIMEOUT)
     except BaseException as error:  # the coordinator's start-up wait names the device with this message
