@@ -168,6 +168,45 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def gpu_count() -> int:
+    """The GPUs torch sees in this process (ComfyUI's `--cuda-device` narrows them to one)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_choices() -> list[str]:
+    """A component's `device` options: "default" (ComfyUI's compute device), "cpu", then each GPU by index
+    (cuda:0, cuda:1, ...). A machine without GPUs lists only the first two, as the pack always did."""
+    return ["default", "cpu"] + [f"cuda:{index}" for index in range(gpu_count())]
+
+
+def device_problem(name, what: str = "device") -> str | None:
+    """None when `name` is one of `device_choices()` (or None: a linked input, checked at run time); else a message
+    naming `what` and the devices this machine has (a workflow saved on another machine may name a GPU that is not
+    here)."""
+    if name is None:
+        return None
+    choices = device_choices()
+    if name in choices:
+        return None
+    listed = f"expected one of {', '.join(choices)}"
+    kind, _, index = str(name).partition(":")
+    if kind == "cuda" and index.isdigit():
+        count = gpu_count()
+        seen = f"{count} GPU{'s' if count != 1 else ''}" if count else "no GPU"
+        return (f"{what} = {name!r}: this machine has no GPU {name} (torch sees {seen}); {listed}. The workflow was "
+                "probably saved on a machine with more GPUs.")
+    return f"{what} = {name!r}: {listed}."
+
+
+def chosen_device(name, what: str = "device") -> torch.device | None:
+    """The device a `device` input names: None for "default" (the caller uses `compute_device()`), else that
+    device; a ValueError (`device_problem`'s message) for one that this machine does not have."""
+    problem = device_problem(name, what)
+    if problem is not None:
+        raise ValueError(problem)
+    return None if name in (None, "default") else torch.device(name)
+
+
 def offload_device() -> torch.device:
     return _mm.unet_offload_device() if HAVE_COMFY else torch.device("cpu")
 
@@ -270,14 +309,15 @@ def _forget(patcher) -> None:
             return
 
 
-def _patcher(model: torch.nn.Module, resident, streamed: tuple, on_unload, what: str):
-    """ComfyUI's ModelPatcher over the resident part of `model` (`resident()`; all of it when nothing is streamed),
-    kept in the model's `manager` field and remade when the streamed set changes."""
+def _patcher(model: torch.nn.Module, resident, streamed: tuple, on_unload, what: str, device: torch.device):
+    """ComfyUI's ModelPatcher over the resident part of `model` (`resident()`; all of it when nothing is streamed)
+    that loads it on `device`, kept in the model's `manager` field and remade when the streamed set or the device
+    changes."""
     import comfy.model_patcher
     from comfy.patcher_extension import CallbacksMP
 
     patcher = getattr(model, "manager", None)
-    if patcher is not None and getattr(patcher, "qi21_streamed", ()) == streamed:
+    if patcher is not None and getattr(patcher, "qi21_streamed", ()) == streamed and patcher.load_device == device:
         return patcher
     if patcher is not None:
         patcher.qi21_replaced = True  # its detach below is a plan change, not ComfyUI unloading the model
@@ -286,8 +326,7 @@ def _patcher(model: torch.nn.Module, resident, streamed: tuple, on_unload, what:
     # such as `device` on what it loads, which a transformers model (the text encoder) has as a read-only property
     part = resident()
     size = sum(t.numel() * t.element_size() for t in part.state_dict().values())
-    patcher = comfy.model_patcher.ModelPatcher(part, load_device=compute_device(), offload_device=offload_device(),
-                                               size=size)
+    patcher = comfy.model_patcher.ModelPatcher(part, load_device=device, offload_device=offload_device(), size=size)
     patcher.qi21_streamed = streamed
     if on_unload is not None:
         def unloaded(patcher, unpatch_all=True):
@@ -306,18 +345,21 @@ def _patcher(model: torch.nn.Module, resident, streamed: tuple, on_unload, what:
 
 
 def load_managed(model: torch.nn.Module, resident, streamed: tuple = (), on_unload=None, *,
-                 memory_required: int = 0, what: str = "DiT") -> torch.device | None:
+                 memory_required: int = 0, what: str = "DiT", device=None) -> torch.device | None:
     """Have ComfyUI load the resident part of `model` (`resident()`, a module) the way it loads its own models, so
     it can evict it when another model needs the room and on "Unload Models", and frees other models for it (and
-    for `memory_required` bytes beside it: the run's activations, cache and streaming slots). `streamed` (the
-    layers that stay with the streamer) keys the patcher: a new set makes a new one. `on_unload(model)` runs when
-    ComfyUI evicts it. Returns ComfyUI's load device, or None without ComfyUI or when its model patcher refuses the
-    module (said loudly, once): then the caller places the model itself."""
+    for `memory_required` bytes beside it: the run's activations, cache and streaming slots). `device`: the GPU to
+    load it on (default: ComfyUI's compute device; another GPU is how ComfyUI-MultiGPU places a component, and
+    ComfyUI then makes room on that GPU only). `streamed` (the layers that stay with the streamer) keys the
+    patcher: a new set makes a new one. `on_unload(model)` runs when ComfyUI evicts it. Returns ComfyUI's load
+    device, or None without ComfyUI or when its model patcher refuses the module (said loudly, once): then the
+    caller places the model itself."""
     global _warned_unmanaged
     if not HAVE_COMFY:
         return None
     try:
-        patcher = _patcher(model, resident, tuple(streamed), on_unload, what)
+        device = torch.device(device) if device is not None else compute_device()
+        patcher = _patcher(model, resident, tuple(streamed), on_unload, what, device)
         # full load of the resident part: our layers are plain PyTorch, they cannot stream weights through
         # ComfyUI's own ops; what does not fit was planned as streamed instead
         _mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)

@@ -82,6 +82,34 @@ def file_changed_key(kind: str, name) -> str | None:
         return f"unreadable:{kind}/{name}:{type(error).__name__}"
 
 
+TEXT_ENCODER_DEVICE_TOOLTIP = (
+    "default encodes on ComfyUI's GPU and offloads the encoder to RAM afterwards. cpu never touches VRAM but encoding "
+    "takes tens of seconds. cuda:0, cuda:1, ... (each GPU torch sees) encode on that GPU and keep the encoder loaded "
+    "there (as ComfyUI-MultiGPU does) instead of moving 16 GB in and out of the DiT's GPU; only the conditioning (a "
+    "few MB) crosses over.")
+VAE_DEVICE_TOOLTIP = (
+    "default encodes and decodes on ComfyUI's GPU. cpu never touches VRAM but is much slower. cuda:0, cuda:1, ... "
+    "(each GPU torch sees) run the VAE on that GPU and keep it loaded there: a large decode's activations no longer "
+    "need room beside the DiT, and only latents and images cross over.")
+
+
+def device_input(tooltip: str):
+    """A loader's optional `device` input: default, cpu and each GPU of this machine (`bridge.device_choices`; only
+    default and cpu without GPUs, so workflows saved with those load anywhere)."""
+    return io.Combo.Input("device", options=bridge.device_choices(), default="default", optional=True, tooltip=tooltip)
+
+
+def device_problem(node, device) -> str | None:
+    """`validate_inputs`' check of a loader's `device`: None, or a message naming the input and the devices this
+    machine has (a workflow saved on a machine with more GPUs)."""
+    return bridge.device_problem(device, f"{node.define_schema().display_name}'s device")
+
+
+def device_of(node, device) -> torch.device | None:
+    """The loader's `device` as a torch device (None: "default"); `device_problem`'s message as a ValueError."""
+    return bridge.chosen_device(device, f"{node.define_schema().display_name}'s device")
+
+
 def default_dtype(weight_dtype: str, device: torch.device) -> str:
     """"default" keeps the file's precision on GPUs; on a CPU it means fp32, as ComfyUI does there (bf16 matmuls
     and convolutions run 10-20x slower than fp32 on CPUs without bf16 units)."""
@@ -184,16 +212,15 @@ class QI21TextEncoderLoader(io.ComfyNode):
                 io.Combo.Input("weight_dtype", options=["default", "bf16", "fp16", "fp32"], default="default",
                                tooltip="default keeps the file's bf16 (16.3 GB) on a GPU, fp32 on a CPU. fp32 doubles "
                                        "memory for no visible gain; fp16 is untested on the real weights."),
-                io.Combo.Input("device", options=["default", "cpu"], default="default", optional=True,
-                               tooltip="default encodes on the GPU and offloads the encoder to RAM afterwards. cpu "
-                                       "never touches VRAM but encoding takes tens of seconds."),
+                device_input(TEXT_ENCODER_DEVICE_TOOLTIP),
             ],
             outputs=[TextEncoder.Output(display_name="text_encoder")],
         )
 
     @classmethod
-    def validate_inputs(cls, text_encoder_name=None, **kwargs):
-        return file_problem(cls, "text_encoders", text_encoder_name, **kwargs)
+    def validate_inputs(cls, text_encoder_name=None, device=None, **kwargs):
+        return device_problem(cls, device) or file_problem(cls, "text_encoders", text_encoder_name, device=device,
+                                                           **kwargs)
 
     @classmethod
     def fingerprint_inputs(cls, text_encoder_name=None, **kwargs):
@@ -202,11 +229,12 @@ class QI21TextEncoderLoader(io.ComfyNode):
     @classmethod
     def execute(cls, text_encoder_name, weight_dtype, device="default", **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
+        chosen = device_of(cls, device)  # None: the compute device
         path = checked_path(cls, "text_encoders", text_encoder_name, weight_dtype=weight_dtype, device=device)
-        runs_on = torch.device("cpu") if device == "cpu" else bridge.compute_device()
+        runs_on = chosen or bridge.compute_device()
         encoder = load_or_free(load_text_encoder, path, weight_dtype=default_dtype(weight_dtype, runs_on),
-                        device=bridge.offload_device(), fallback_tokenizer_dir=bridge.comfy_tokenizer_dir())
-        encoder.preferred_device = torch.device("cpu") if device == "cpu" else None  # None: the compute device
+                               device=bridge.offload_device(), fallback_tokenizer_dir=bridge.comfy_tokenizer_dir())
+        encoder.preferred_device = chosen
         return io.NodeOutput(encoder)
 
 
@@ -228,21 +256,25 @@ class QI21VAELoader(io.ComfyNode):
                                tooltip="default keeps the file's precision on a GPU (bf16 for an fp16 file: the "
                                        "decoder overflows fp16), fp32 on a CPU. fp32 is exact but twice the memory and "
                                        "slower."),
+                device_input(VAE_DEVICE_TOOLTIP),
             ],
             outputs=[VAE.Output(display_name="vae")],
         )
 
     @classmethod
-    def validate_inputs(cls, vae_name=None, **kwargs):
-        return file_problem(cls, "vae", vae_name, **kwargs)
+    def validate_inputs(cls, vae_name=None, device=None, **kwargs):
+        return device_problem(cls, device) or file_problem(cls, "vae", vae_name, device=device, **kwargs)
 
     @classmethod
     def fingerprint_inputs(cls, vae_name=None, **kwargs):
         return file_changed_key("vae", vae_name)
 
     @classmethod
-    def execute(cls, vae_name, weight_dtype, **unknown) -> io.NodeOutput:
+    def execute(cls, vae_name, weight_dtype, device="default", **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
-        path = checked_path(cls, "vae", vae_name, weight_dtype=weight_dtype)
-        weight_dtype = default_dtype(weight_dtype, bridge.compute_device())
-        return io.NodeOutput(load_or_free(load_vae, path, weight_dtype=weight_dtype, device=bridge.offload_device()))
+        chosen = device_of(cls, device)  # None: the compute device
+        path = checked_path(cls, "vae", vae_name, weight_dtype=weight_dtype, device=device)
+        weight_dtype = default_dtype(weight_dtype, chosen or bridge.compute_device())
+        vae = load_or_free(load_vae, path, weight_dtype=weight_dtype, device=bridge.offload_device())
+        vae.preferred_device = chosen  # read by the VAE nodes (nodes/placement.py: component_device)
+        return io.NodeOutput(vae)

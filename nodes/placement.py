@@ -7,7 +7,7 @@ and measures.
     plan_sampling(...)       a sampler's `Sampling`: the plan, or a PlanError before any weight moves
     Sampling.placed()        the DiT loaded under the plan for the run; `new_cache` and `store` go to `sample`
     text_encoder_on_device   the text encoder, whole or with its decoder layers streamed
-    on_device(vae)           the VAE (or any module) for one encode or decode
+    on_device(vae)           the VAE (or any module) for one encode or decode, on its loader's device
     decode_tiled(vae, ...)   `tiled=auto`: one pass when it fits, tiles otherwise
 """
 
@@ -45,31 +45,41 @@ def memory_budget(device, modules=(), tensors=()) -> Budget:
 
 
 def place(module: torch.nn.Module, layers=(), streamed=(), on_unload=None, memory_required: int = 0,
-          what: str = "DiT") -> torch.device:
-    """`module` on the compute device with `layers[i]`, i in `streamed`, left in (pinned) host memory for the
-    streamer: through ComfyUI's model management when it takes it, by hand otherwise."""
+          what: str = "DiT", device: torch.device | None = None) -> torch.device:
+    """`module` on `device` (default: the compute device) with `layers[i]`, i in `streamed`, left in (pinned) host
+    memory for the streamer: through ComfyUI's model management when it takes it, by hand otherwise."""
     streamed = tuple(streamed)
+    wanted = device
     device = bridge.load_managed(module, lambda: resident_part(module, layers, streamed), streamed, on_unload,
-                                 memory_required=memory_required, what=what)
+                                 memory_required=memory_required, what=what, device=wanted)
     if device is None:
-        device = bridge.compute_device()
+        device = torch.device(wanted) if wanted is not None else bridge.compute_device()
         if device.type != "cpu":
             bridge.free_memory(tensor_bytes(module_tensors(module)) + memory_required, device)
     place_layers(module, layers, streamed, device)
     return device
 
 
+def component_device(module) -> torch.device:
+    """Where a component runs: its loader's `device` (`preferred_device`: cpu or a GPU), else the compute device."""
+    preferred = getattr(module, "preferred_device", None)
+    return torch.device(preferred) if preferred is not None else bridge.compute_device()
+
+
 @contextmanager
 def on_device(module: torch.nn.Module, device: torch.device | None = None, offload_after: bool = False, *,
               layers=(), streamed=(), memory_required: int = 0):
-    """Run `module` on the compute device (or `device`) for one job, `memory_required` bytes of activations beside
-    it. With `offload_after` it goes back to the offload device when done unless ComfyUI manages it (the text
-    encoder: 16 GiB nobody needs during sampling; ComfyUI evicts it as soon as the DiT needs the room, as it does
-    with its own text encoders)."""
-    device = torch.device(device) if device is not None else bridge.compute_device()
-    managed = bridge.HAVE_COMFY and device.type != "cpu" and device == bridge.compute_device()
+    """Run `module` on `device` (default: `component_device(module)`: the VAE loader's `device`, else the compute
+    device) for one job, `memory_required` bytes of activations beside it. On a GPU ComfyUI manages it (on another
+    GPU than its own too, as ComfyUI-MultiGPU does): it stays there until ComfyUI needs the room on that GPU or
+    unloads models. With `offload_after` it goes back to the offload device when done unless ComfyUI manages it
+    (the text encoder: 16 GiB nobody needs during sampling; ComfyUI evicts it as soon as the DiT needs the room, as
+    it does with its own text encoders)."""
+    device = torch.device(device) if device is not None else component_device(module)
+    managed = bridge.HAVE_COMFY and device.type != "cpu"
     if managed:
-        device = place(module, layers, streamed, memory_required=memory_required, what=type(module).__name__)
+        device = place(module, layers, streamed, memory_required=memory_required, what=type(module).__name__,
+                       device=device)
     else:
         if device.type != "cpu":
             bridge.free_memory(tensor_bytes(module_tensors(module)) + memory_required, device)
@@ -193,7 +203,7 @@ def text_encoder_on_device(text_encoder, prompt: str, references=()):
     """The text encoder on its device for one encoding: whole when it fits beside the encoding's activations, else
     its decoder layers streamed (planner.plan_layers); offloaded afterwards (under ComfyUI: evicted as soon as the
     DiT needs the room)."""
-    device = torch.device(text_encoder.preferred_device or bridge.compute_device())
+    device = component_device(text_encoder)
     model = text_encoder.model
     layers = model.language_model.layers
     tokens, patches = encoder_shape(text_encoder, prompt, references)
@@ -213,7 +223,7 @@ def text_encoder_on_device(text_encoder, prompt: str, references=()):
 def decode_tiled(vae, latents: torch.Tensor) -> tuple[bool, int]:
     """(tiled?, activation bytes) of decoding `latents` `(B, 64, h, w)` at `tiled=auto`: one pass when it fits
     (equal to the reference exactly), tiled otherwise; `planner.PlanError` when even tiles do not fit."""
-    device = bridge.compute_device()
+    device = component_device(vae)
     shape = VAEShape.of(vae)
     plan = plan_decode(shape, latents.shape[0], tuple(latents.shape[-2:]), memory_budget(device, modules=[vae]))
     return plan.tiled, max(0, plan.peak - shape.weight_bytes)

@@ -395,6 +395,9 @@ class QwenImage21VAE(nn.Module):
         super().__init__()
         self.config = config
         self.source = None  # what it was loaded from (`loaders.vae.VAESource`); None when built in memory
+        #: where encode/decode should run; None lets the caller pick (the ComfyUI nodes: their compute device). The
+        #: VAE loader node sets it from its `device` input.
+        self.preferred_device: torch.device | None = None
         self.encoder = Encoder(config)
         self.quant_conv = nn.Conv2d(2 * config.z_dim, 2 * config.z_dim, 1)
         self.post_quant_conv = nn.Conv2d(config.z_dim, config.z_dim, 1)
