@@ -5,7 +5,7 @@ Prints, per kind, the share whose shape has the asked colour and sits on the ask
 asked background too); an edit must keep what it was not asked to change. `--sheet FILE` writes every picture
 with its prompt and what was read (docs/images/toy_accuracy.png).
 
-    python benchmarks/toy_accuracy.py [--steps 40] [--turbo] [--sheet FILE]
+    python benchmarks/toy_accuracy.py [--steps 40] [--cfg 4] [--turbo] [--sheet FILE]
 """
 
 import argparse
@@ -33,6 +33,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--turbo", action="store_true", help="the Turbo DiT and its 8 stored sigmas")
+    parser.add_argument("--cfg", type=float, default=1.0, help="true CFG against the empty prompt (1: none)")
     parser.add_argument("--prompts", type=int, default=40)
     parser.add_argument("--edits", type=int, default=20)
     parser.add_argument("--sheet", type=Path, default=None)
@@ -50,7 +51,8 @@ def main():
             sided = full = 0
             for i, (prompt, source, wanted) in enumerate(cases):
                 refs = (pipe.reference(source.render()),) if source else ()
-                image = pipe.generate(prompt, 100 + i, refs, steps=args.steps, turbo=args.turbo)[0][0]
+                image = pipe.generate(prompt, 100 + i, refs, steps=args.steps, turbo=args.turbo, cfg=args.cfg,
+                                      negative="" if args.cfg != 1 else None)[0][0]
                 got = analyse(image).reading
                 want = asked(wanted)
                 sided += got[1:] == want[1:]
@@ -63,7 +65,7 @@ def main():
             print(f"{kind}: {sided}/{len(cases)} ({100 * sided / len(cases):.0f}%) have the asked colour and side, "
                   f"{full}/{len(cases)} also the asked background")
         print(f"{len(entries)} pictures in {time.perf_counter() - tick:.1f} s "
-              f"({'Turbo, 8 sigmas' if args.turbo else f'{args.steps} Base steps'})")
+              f"({'Turbo, 8 sigmas' if args.turbo else f'{args.steps} Base steps'}, cfg {args.cfg:g})")
         if args.sheet:
             print(f"sheet: {contact_sheet(entries, args.sheet, columns=10)}")
 

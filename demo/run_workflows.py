@@ -58,8 +58,8 @@ from .toy_model import write_toy_checkpoints
 from .toy_workflows import contact_sheet, toy_overrides, write_toy_inputs
 from .workflow_runner import QUICK_NOTE, TINY_BANNER, Runner, WorkflowResult, load_workflow
 
-TOY_BANNER = ("USING THE TOY MODEL TRAINED HERE (demo/toy_model.py): it draws flat shapes but does not follow its "
-              "prompts yet; pass --models for real weights")
+TOY_BANNER = ("USING THE TOY MODEL TRAINED HERE (demo/toy_model.py): flat shapes on the asked background, the asked "
+              "colour and side in about a third of its pictures; pass --models for real weights")
 SHIPPED_WORKFLOWS = ROOT / "workflows" / "api"
 
 

@@ -30,7 +30,7 @@ TOY_VAE = QwenImage21VAEConfig(base_dim=8, decoder_base_dim=12, z_dim=64, dim_mu
 TOY_DIR = Path(__file__).resolve().parent / "toy"
 BASE_FILE, TURBO_FILE, VAE_FILE, LOG_FILE = ("transformer_base.safetensors", "transformer_turbo.safetensors",
                                               "vae.safetensors", "training_log.json")
-FIRST_FILE = "transformer_base_phase1.safetensors"  # the first DiT phase, for `train_toy.py --resume` (not committed)
+
 #: The target size the toy was trained at (and the size its references take: the VLM's minimum).
 TOY_SIZE = 256
 
