@@ -1,7 +1,8 @@
 """Train the toy Qwen-Image 2.1 (demo/toy_model.py) on the procedural shapes of demo/toy_data.py, on the CPU.
 
-    python demo/train_toy.py            # ~55 minutes on 2 cores; writes demo/toy/*.safetensors + training_log.json
+    python demo/train_toy.py            # 99 min on 2 shared cores; writes demo/toy/*.safetensors + training_log.json
     python demo/train_toy.py --quick    # a few steps of every phase (the determinism test runs this twice)
+    python demo/train_toy.py --resume demo/toy   # the same, the VAE phase skipped (its file loaded)
 
 Phases, each seeded, in one process with 2 threads (the same torch build and thread count rebuild the files
 bit for bit; another thread count changes the float sums and so the files):
