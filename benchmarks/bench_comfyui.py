@@ -128,6 +128,17 @@ def diffusers_graph(server: BenchServer, steps: int, seed: int, prefix_tokens: i
     }
 
 
+def timed_prompt(server: harness.ComfyServer, prompt: dict) -> tuple[float, dict]:
+    """Run an API-format prompt; (its execution seconds from the server's own `execution_start` ->
+    `execution_success` timestamps, its history outputs)."""
+    entry = server.run_prompt(prompt)
+    status = entry["status"]
+    if status["status_str"] != "success":
+        raise RuntimeError(f"the prompt failed: {status}\n{server.log_tail()}")
+    stamps = {event: data["timestamp"] for event, data in status["messages"] if "timestamp" in data}
+    return (stamps["execution_success"] - stamps["execution_start"]) / 1000, entry["outputs"]
+
+
 class Prompts:
     """Queues prompts on the server; each one's execution time from the server's own timestamps."""
 
@@ -135,12 +146,7 @@ class Prompts:
         self.server, self.seed, self.prefix_tokens = server, 0, None
 
     def _timed(self, prompt: dict) -> tuple[float, dict]:
-        entry = self.server.run_prompt(prompt)
-        status = entry["status"]
-        if status["status_str"] != "success":
-            raise RuntimeError(f"the prompt failed: {status}\n{self.server.log_tail()}")
-        stamps = {event: data["timestamp"] for event, data in status["messages"] if "timestamp" in data}
-        return (stamps["execution_success"] - stamps["execution_start"]) / 1000, entry["outputs"]
+        return timed_prompt(self.server, prompt)
 
     def ours(self, steps: int, turbo: bool = False, cache: str = "on") -> tuple[float, dict]:
         self.seed += 1
@@ -234,18 +240,28 @@ def print_table(times: dict, args, report: dict, predicted: float) -> None:
           f"step {report['step_seconds']} s")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def server_args(doc: str, add) -> argparse.Namespace:
+    """The command line of a benchmark that starts a ComfyUI: `--comfyui` (default $QI21_COMFYUI, checked) and
+    `--python` (default $QI21_COMFYUI_PYTHON, else this interpreter), and what `add(parser)` adds."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--comfyui", default=os.environ.get(harness.ENV_COMFYUI, ""))
     parser.add_argument("--python", default=os.environ.get(harness.ENV_PYTHON, "") or sys.executable)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", type=Path, default=None)
-    parser.add_argument("--profile-prompts", type=int, default=3)
-    parser.add_argument("--profile-steps", type=int, default=12)
+    add(parser)
     args = parser.parse_args()
     if not (Path(args.comfyui) / "main.py").is_file():
         parser.error("--comfyui (or QI21_COMFYUI) must name a ComfyUI checkout (the folder with main.py)")
+    return args
+
+
+def main():
+    def add(parser):
+        parser.add_argument("--layers", type=int, default=3)
+        parser.add_argument("--repeats", type=int, default=3)
+        parser.add_argument("--profile", type=Path, default=None)
+        parser.add_argument("--profile-prompts", type=int, default=3)
+        parser.add_argument("--profile-steps", type=int, default=12)
+
+    args = server_args(__doc__, add)
 
     config = bench_config(args.layers)
     weights = tiny.dit_state_dict(config, seed=7)

@@ -206,11 +206,14 @@ class ComfyServer:
         return f"http://127.0.0.1:{self.port}"
 
     # -- set-up
+    def write_models(self, models: Path) -> None:
+        """The checkpoints the server serves: the tiny random set (a benchmark may serve others)."""
+        tiny_checkpoint_writer()(models)
+
     def prepare(self) -> None:
-        write_tiny_checkpoints = tiny_checkpoint_writer()
         for name in ("custom_nodes", "input", "output", "temp", "user/default"):
             (self.base / name).mkdir(parents=True, exist_ok=True)
-        write_tiny_checkpoints(self.base / "models")
+        self.write_models(self.base / "models")
         write_template_aliases(self.base / "models")
         self.pack_link.symlink_to(REPO, target_is_directory=True)
         for index, name in enumerate(load_image_names(api_workflows() + ui_workflows())):
