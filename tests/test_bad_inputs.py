@@ -183,7 +183,8 @@ def test_loader_widgets_out_of_their_lists_are_refused_as_comfyui_would(models_r
     assert "attention = 'xformers': expected one of auto, sdpa, flex" in \
         QI21ModelLoader.validate_inputs(gf.SINGLE["model"], weight_dtype="bf16", attention="xformers")
     assert "weight_dtype = 'fp16'" in QI21VAELoader.validate_inputs(gf.SINGLE["vae"], weight_dtype="fp16")
-    assert "device = 'cuda:1'" in QI21TextEncoderLoader.validate_inputs(gf.SINGLE["text_encoder"], device="cuda:1")
+    absent = f"cuda:{torch.cuda.device_count()}"  # one past the GPUs this machine has (cuda:0 on a CPU machine)
+    assert f"device = '{absent}'" in QI21TextEncoderLoader.validate_inputs(gf.SINGLE["text_encoder"], device=absent)
     assert QI21TextEncoderLoader.validate_inputs(gf.SINGLE["text_encoder"], weight_dtype="fp32", device="cpu") is True
 
 
