@@ -3,6 +3,7 @@
 weight; both samplers (and a ComfyUI SAMPLER through them) read the options from the model."""
 
 from ..model.sampling.step_cache import (
+    CONTROL_MODES,
     EDIT_THRESHOLD,
     END_PERCENT,
     MAX_SKIPS,
@@ -29,6 +30,9 @@ WINDOW_TOOLTIP = ("Steps are skipped only between start_percent and end_percent 
                   "fine detail. 0.10 to 0.85 as T8.")
 MAX_SKIPS_TOOLTIP = ("At most this many skipped steps in a row; then a full step refreshes what is reused. 2 as T8; "
                      "0 never skips.")
+CONTROL_TOOLTIP = ("With a Fun ControlNet: on a skipped step, reuse the control's effect from the last full step as "
+                   "it is (T8's way, the cheapest), or recompute it: run the control blocks again (about half the "
+                   "model's blocks) and add their fresh effect. See docs/step-cache.md for what was measured.")
 
 
 class QI21StepCache(io.ComfyNode):
@@ -59,6 +63,9 @@ class QI21StepCache(io.ComfyNode):
                 io.Float.Input("end_percent", default=END_PERCENT, min=0.0, max=1.0, step=0.01,
                                tooltip=WINDOW_TOOLTIP),
                 io.Int.Input("max_skips", default=MAX_SKIPS, min=0, max=16, tooltip=MAX_SKIPS_TOOLTIP),
+                # appended and optional: workflows saved before it load unchanged (and reuse, as they did)
+                io.Combo.Input("control", options=list(CONTROL_MODES), default=CONTROL_MODES[0], optional=True,
+                               tooltip=CONTROL_TOOLTIP),
             ],
             outputs=[Model.Output(display_name="model")],
         )
@@ -72,10 +79,12 @@ class QI21StepCache(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode="t8", threshold=THRESHOLD, edit_threshold=EDIT_THRESHOLD,
-                start_percent=START_PERCENT, end_percent=END_PERCENT, max_skips=MAX_SKIPS, **unknown) -> io.NodeOutput:
+                start_percent=START_PERCENT, end_percent=END_PERCENT, max_skips=MAX_SKIPS, control=CONTROL_MODES[0],
+                **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
         require(cls.validate_inputs(mode=mode, threshold=threshold, edit_threshold=edit_threshold,
-                                    start_percent=start_percent, end_percent=end_percent, max_skips=max_skips))
+                                    start_percent=start_percent, end_percent=end_percent, max_skips=max_skips,
+                                    control=control))
         options = StepCacheOptions(mode, float(threshold), float(edit_threshold), float(start_percent),
-                                   float(end_percent), int(max_skips))
+                                   float(end_percent), int(max_skips), control)
         return io.NodeOutput(with_step_cache(model, options))

@@ -92,8 +92,8 @@ CONTRACT = {
                             ["QI21_MODEL"]),
     "QI21CacheOptions": ([("model", "QI21_MODEL"), ("device", "COMBO"), ("dtype", "COMBO")], [], ["QI21_MODEL"]),
     "QI21StepCache": ([("model", "QI21_MODEL"), ("mode", "COMBO"), ("threshold", "FLOAT"), ("edit_threshold", "FLOAT"),
-                       ("start_percent", "FLOAT"), ("end_percent", "FLOAT"), ("max_skips", "INT")], [],
-                      ["QI21_MODEL"]),
+                       ("start_percent", "FLOAT"), ("end_percent", "FLOAT"), ("max_skips", "INT")],
+                      [("control", "COMBO")], ["QI21_MODEL"]),
 }
 #: Options and defaults the contract fixes: (node, input) -> {key: value}.
 CONTRACT_OPTIONS = {
@@ -107,6 +107,7 @@ CONTRACT_OPTIONS = {
     ("QI21StepCache", "mode"): {"options": ["t8", "extrapolate", "off"], "default": "t8"},
     ("QI21StepCache", "threshold"): {"default": 0.08},
     ("QI21StepCache", "edit_threshold"): {"default": 0.03},
+    ("QI21StepCache", "control"): {"options": ["reuse", "recompute"], "default": "reuse"},
     ("QI21VAELoader", "weight_dtype"): {"default": "default"},
     ("QI21Reference", "resolution"): {"default": 1024, "min": 0},
     ("QI21TextEncode", "prompt"): {"multiline": True},

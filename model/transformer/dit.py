@@ -168,8 +168,9 @@ class QwenImage21DiT(nn.Module):
                 sees the embedded rows before block 0, `after_base_block(index, x)` returns each block's output with
                 the control's skip added; its blocks' prefix K/V are `control.cache_layers` more layers of `cache`.
             step_cache: the run's step cache for this call (sampling/step_cache.py), or None (every block runs):
-                `before_blocks(x, rows)` sees the rows before block 0; `after_first_block(x, rows)` may return the
-                target rows to finish with (blocks 1..N-1 skipped, so a streamed one is never brought in);
+                `before_blocks(x, rows, control)` sees the rows before block 0 (and the control stream, whose later
+                blocks it may run on a skipped call); `after_first_block(x, rows)` may return the target rows to
+                finish with (blocks 1..N-1 skipped, so a streamed one is never brought in);
                 `after_blocks(x, rows)` sees the target rows after the last block.
         Returns:
             `(B, T, out_channels)` in the compute dtype.
@@ -186,7 +187,7 @@ class QwenImage21DiT(nn.Module):
         if control is not None:
             control.start(x, mods, rows, cache)
         if step_cache is not None:
-            step_cache.before_blocks(x, rows)
+            step_cache.before_blocks(x, rows, control)
         last = len(self.blocks) - 1
         for index, block in enumerate(self.blocks):
             x = block(x, mods, rows, cache.layer_kv(index) if cache is not None else None, drop_prefix=index == last)
