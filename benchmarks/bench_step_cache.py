@@ -9,9 +9,15 @@ with the exact one (PSNR over RGBA in [0, 1], SSIM with an 11x11 Gaussian window
     python benchmarks/bench_step_cache.py --models DIR [--settings t8 t8:0.04 extrapolate ...] [--steps 40]
         [--size 256] [--prompts 20 | --prompts FILE.json] [--edits 20] [--dit NAME --text-encoder NAME --vae NAME]
         [--turbo]   (the Turbo sampler and DiT: its stored 8 steps)
+        [--control [--control-blocks N]]   (every run, the exact one too, through the Fun ControlNet)
+        [--json FILE]   (every case's row: PSNR, SSIM, seconds and CPU seconds with the exact run's, skips)
 
 A setting is `mode` (T8's thresholds: 0.08 t2i, 0.03 edits) or `mode:threshold[:max_skips[:start-end]]` (that
-threshold for both, e.g. `t8:0.12:3:0.1-0.9`). `--prompts
+threshold for both, e.g. `t8:0.12:3:0.1-0.9`), optionally ending in `+recompute` or `+reuse` (the node's `control`
+input: what a skipped step does with the Fun ControlNet's later blocks; default reuse). `--control` writes a random
+Fun ControlNet for the DiT's config into DIR/model_patches (`CONTROLNET_FILE`; `--control-blocks` blocks, default
+one per 2 base blocks as the released 16 per 32, seed 5 as bench_step_cache_comfyui.py's) and applies it through
+QI21ControlNetApply at strength 1 over the whole schedule, a toy scene as the map (`control_image`). `--prompts
 FILE.json`: {"t2i": [prompt or {"prompt", "seed"}], "edit": [instruction or {"instruction", "seed", "reference":
 a picture file beside the JSON}]} (an edit without a picture reads the exact image of t2i prompt i). The built-in
 prompts are in the trained toy's vocabulary (shapes, colours, places, backgrounds; recolour, move, remove the
@@ -20,28 +26,35 @@ names) runs the script but its numbers mean nothing: only a trained model has de
 
 What the time predicts: a skipped step still runs block 0, the output layer and the loop around them, so on a model of
 N blocks a share s of skipped steps saves at most s * (N - 1) / N of the DiT's block work; the last column gives the
-same skips at the released 32 blocks.
+same skips at the released 32 blocks. With a Fun ControlNet of K blocks a skipped step also runs control block 0
+(reuse) or all K (recompute): s * (N - 1 + K - 1) / (N + K) or s * (N - 1) / (N + K), at 32 + 16 blocks in the last
+column. `CPU time / exact` is the process's CPU seconds (all its threads) over the exact run's: with `--threads 1` the
+work done, whatever else the machine runs, where the wall time is not.
 """
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
-from qi21.model.sampling.step_cache import StepCacheOptions
+from qi21.model.sampling.step_cache import CONTROL_MODES, StepCacheOptions
 from qi21.nodes import bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
+from qi21.nodes.controlnet import QI21ControlNetApply, QI21ControlNetLoader
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 from qi21.nodes.step_cache import QI21StepCache
 
-RELEASED_BLOCKS = 32
+RELEASED_BLOCKS, RELEASED_CONTROL_BLOCKS = 32, 16
+CONTROLNET_FILE = "qi21_bench_step_cache_fun_controlnet.safetensors"
 #: The trained toy's vocabulary (demo/toy_data.py in the lead's branch: its caption form 0 and edit phrasings), so the
 #: built-in prompts are ones it can draw: (size, colour, shape, where, background) and what the edit of each asks.
 SCENES = [(size, colour, shape, where, background)
@@ -89,9 +102,15 @@ def ssim(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def parse_setting(text: str) -> tuple[str, StepCacheOptions]:
-    """`mode[:threshold[:max_skips[:start-end]]]`; without a threshold T8's pair (0.08 t2i, 0.03 edits)."""
-    mode, *rest = text.split(":")
+    """`mode[:threshold[:max_skips[:start-end]]][+control]`; without a threshold T8's pair (0.08 t2i, 0.03 edits),
+    without `+control` the node's default (reuse)."""
+    rule, _, control = text.partition("+")
+    mode, *rest = rule.split(":")
     options = {"mode": mode}
+    if control:
+        if control not in CONTROL_MODES:
+            raise ValueError(f"{text}: after '+' comes one of {', '.join(CONTROL_MODES)}.")
+        options["control"] = control
     if rest and rest[0]:
         options["threshold"] = options["edit_threshold"] = float(rest[0])
     if len(rest) > 1 and rest[1]:
@@ -123,6 +142,31 @@ def cases_from(arg: str, edits: int) -> list[dict]:
     return out
 
 
+def block_work_saved(skipped: float, base: int, control: int, recompute: bool) -> float:
+    """The share of all block runs (the DiT's `base` and a Fun ControlNet's `control`) that a share `skipped` of
+    skipped calls saves: a skipped call still runs base block 0 and control block 0, and with `recompute` every
+    control block."""
+    saved = (base - 1) + (0 if recompute or not control else control - 1)
+    return skipped * saved / (base + control)
+
+
+def attach_control(model, vae, models: Path, blocks: int | None, size: int):
+    """`model` through QI21ControlNetApply with a random Fun ControlNet for its config (written into the models
+    folder), strength 1 over the whole schedule, a toy scene as the control map."""
+    from qi21.demo import tiny_checkpoints as tiny, toy_data
+
+    blocks = blocks or max(1, model.config.num_layers // 2)
+    path = Path(models) / "model_patches" / CONTROLNET_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = tiny.controlnet_state_dict(model.config, seed=5, blocks=blocks)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(path))
+    net = QI21ControlNetLoader.execute(CONTROLNET_FILE, "default")[0]
+    scene = toy_data.random_scene(random.Random(3), two_shapes=True).render().convert("RGB").resize((size, size))
+    pixels = torch.frombuffer(bytearray(scene.tobytes()), dtype=torch.uint8)
+    image = pixels.view(1, size, size, 3).float() / 255.0
+    return QI21ControlNetApply.execute(model, net, vae, 1.0, 0.0, 1.0, control_image=image)[0]
+
+
 def picture(path: Path) -> torch.Tensor:
     """A picture file as a ComfyUI IMAGE `(1, H, W, 4)` in [0, 1] (RGBA, as LoadImage gives with its mask)."""
     from PIL import Image
@@ -147,6 +191,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", default="20", help="a count of built-in prompts, or a JSON file")
     parser.add_argument("--edits", type=int, default=20, help="edits (0: t2i only)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write every case's row here (to merge split runs)")
+    parser.add_argument("--control", action="store_true", help="every run through a (random) Fun ControlNet")
+    parser.add_argument("--control-blocks", type=int, default=None,
+                        help="its blocks (default: one per 2 of the DiT's, as the release)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -157,20 +205,22 @@ def main(argv=None) -> dict:
     model = QI21ModelLoader.execute(dit, args.weight_dtype)[0]
     encoder = QI21TextEncoderLoader.execute(args.text_encoder, "default")[0]
     vae = QI21VAELoader.execute(args.vae, "default")[0]
+    if args.control:  # the exact runs too: every setting is compared with the controlled exact path
+        model = attach_control(model, vae, args.models, args.control_blocks, args.size)
     settings = [parse_setting(s) for s in args.settings]
     copies = {name: QI21StepCache.execute(model, o.mode, o.threshold, o.edit_threshold, o.start_percent,
-                                          o.end_percent, o.max_skips)[0] for name, o in settings}
+                                          o.end_percent, o.max_skips, o.control)[0] for name, o in settings}
     cases = cases_from(args.prompts, args.edits)
     t2i = [case["text"] for case in cases if case["task"] == "t2i"]
     edits = [case for case in cases if case["task"] == "edit"]
 
     def generate(which, positive, seed):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         if args.turbo:
             out = QI21TurboSampler.execute(which, positive, seed, args.size, args.size, 1)
         else:
             out = QI21Sampler.execute(which, positive, seed, args.steps, 1.0, args.size, args.size, 1)
-        seconds = time.perf_counter() - started
+        seconds = (time.perf_counter() - started, time.process_time() - cpu)
         rgba = QI21VAEDecode.execute(vae, out[0])[2][0]  # RGBA, as the yardstick compares (the alpha is drawn too)
         return rgba, out.ui["qi21_report"][0], seconds
 
@@ -179,6 +229,9 @@ def main(argv=None) -> dict:
         generate(which, warm, 0)
     rows = {(name, task): [] for name, _ in settings for task in ("t2i", "edit")}
     exact_seconds = {"t2i": [], "edit": []}
+    blocks, kind = model.config.num_layers, "Turbo" if args.turbo else "Base"
+    control = getattr(model, "control", None)
+    control_blocks = 0 if control is None else control.net.config.num_blocks
     exact_images = []
     for case in cases:
         task, text, seed, source = case["task"], case["text"], case["seed"], case.get("reference")
@@ -197,37 +250,50 @@ def main(argv=None) -> dict:
             step_cache = report.get("step_cache") or {"run": args.steps, "skipped": 0, "blocks_skipped_share": 0.0,
                                                       "pattern": "F" * args.steps}
             calls = step_cache["run"] + step_cache["skipped"]
-            rows[(name, task)].append({"psnr": psnr(image, exact), "ssim": ssim(image, exact), "seconds": seconds,
+            recompute = step_cache.get("control") == "recompute"
+            rows[(name, task)].append({"psnr": psnr(image, exact), "ssim": ssim(image, exact), "seconds": seconds[0],
+                                       "cpu": seconds[1],
+                                       "control": step_cache.get("control"),
                                        "skipped": step_cache["skipped"] / calls,
-                                       "blocks": step_cache["blocks_skipped_share"],
+                                       "blocks": block_work_saved(step_cache["skipped"] / calls, blocks,
+                                                                  control_blocks, recompute),
                                        "pattern": step_cache["pattern"]})
 
-    blocks, kind = model.config.num_layers, "Turbo" if args.turbo else "Base"
+    with_control = "" if not control_blocks else f", with a Fun ControlNet of {control_blocks} blocks"
     print(f"\n## step cache vs exact: {len(t2i)} t2i prompts, {len(edits)} edits, {args.steps} {kind} steps, "
-          f"{args.size}x{args.size}, {blocks} blocks, {torch.get_num_threads()} threads ({args.models})")
+          f"{args.size}x{args.size}, {blocks} blocks{with_control}, {torch.get_num_threads()} threads ({args.models})")
     print("| setting | task | PSNR dB mean (min) | SSIM mean (min) | steps skipped | block work skipped | "
-          f"time / exact (median) | blocks' share predicts ({blocks} blocks) | predicted at 32 blocks |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"time / exact (median) | CPU time / exact (median) | blocks' share predicts ({blocks} blocks) | "
+          "predicted at 32 blocks |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     summary = {}
     for (name, task), results in rows.items():
         if not results:
             continue
         finite = [r["psnr"] for r in results if r["psnr"] != float("inf")]
         psnr_mean = statistics.mean(finite) if finite else float("inf")
-        ratios = [r["seconds"] / e for r, e in zip(results, exact_seconds[task])]
+        ratios = [r["seconds"] / e for r, (e, _) in zip(results, exact_seconds[task])]
+        cpu_ratios = [r["cpu"] / c for r, (_, c) in zip(results, exact_seconds[task])]
         skipped = statistics.mean(r["skipped"] for r in results)
         entry = {"psnr_mean": psnr_mean, "psnr_min": min(r["psnr"] for r in results),
                  "ssim_mean": statistics.mean(r["ssim"] for r in results), "ssim_min": min(r["ssim"] for r in results),
                  "skipped": skipped, "blocks_skipped": statistics.mean(r["blocks"] for r in results),
-                 "time_ratio": statistics.median(ratios),
-                 "predicted_32": 1 - skipped * (RELEASED_BLOCKS - 1) / RELEASED_BLOCKS,
-                 "patterns": [r["pattern"] for r in results]}
+                 "time_ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios),
+                 "predicted_32": 1 - block_work_saved(skipped, RELEASED_BLOCKS,
+                                                      RELEASED_CONTROL_BLOCKS if control_blocks else 0,
+                                                      results[0]["control"] == "recompute"),
+                 "patterns": [r["pattern"] for r in results], "control": results[0]["control"]}
         summary[(name, task)] = entry
         print(f"| {name} | {task} | {entry['psnr_mean']:.2f} ({entry['psnr_min']:.2f}) | {entry['ssim_mean']:.4f} "
               f"({entry['ssim_min']:.4f}) | {skipped:.1%} | {entry['blocks_skipped']:.1%} | "
-              f"{entry['time_ratio']:.3f} | {1 - entry['blocks_skipped']:.3f} | {entry['predicted_32']:.3f} |")
+              f"{entry['time_ratio']:.3f} | {entry['cpu_ratio']:.3f} | {1 - entry['blocks_skipped']:.3f} | "
+              f"{entry['predicted_32']:.3f} |")
     for (name, task), entry in summary.items():
         print(f"{name} {task} first pattern: {entry['patterns'][0]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"setting": name, "task": task, **row, "exact_seconds": exact}
+                                               for (name, task), results in rows.items()
+                                               for row, exact in zip(results, exact_seconds[task])], indent=1))
     return summary
 
 
