@@ -59,7 +59,7 @@ from .toy_workflows import contact_sheet, toy_overrides, write_toy_inputs
 from .workflow_runner import QUICK_NOTE, TINY_BANNER, Runner, WorkflowResult, load_workflow
 
 TOY_BANNER = ("USING THE TOY MODEL TRAINED HERE (demo/toy_model.py): flat shapes on the asked background, the asked "
-              "colour and side in about a third of its pictures; pass --models for real weights")
+              "colour and side in 9 of 10 held-out prompts (docs/toy-model.md); pass --models for real weights")
 SHIPPED_WORKFLOWS = ROOT / "workflows" / "api"
 
 

@@ -1,8 +1,9 @@
 """Train the toy Qwen-Image 2.1 (demo/toy_model.py) on the procedural shapes of demo/toy_data.py, on the CPU.
 
-    python demo/train_toy.py            # 99 min on 2 shared cores; writes demo/toy/*.safetensors + training_log.json
+    python demo/train_toy.py            # ~2.5 h on 2 shared cores; writes demo/toy/*.safetensors + training_log.json
     python demo/train_toy.py --quick    # a few steps of every phase (the determinism test runs this twice)
     python demo/train_toy.py --resume demo/toy   # the same, the VAE phase skipped (its file loaded)
+    python demo/train_toy.py --resume demo/toy --stage1 FILE   # the same, the DiT's stage 1 too (its file loaded)
 
 Phases, each seeded, in one process with 2 threads (the same torch build and thread count rebuild the files
 bit for bit; another thread count changes the float sums and so the files):
@@ -21,7 +22,9 @@ bit for bit; another thread count changes the float sums and so the files):
    almost never goes there (a first model trained without it drew shapes but ignored its prompts). The shape's
    latent tokens weigh more in the loss (a small shape is a few % of the tokens, yet all of what the prompt
    says). 10% of text-to-image prompts are empty so CFG has an unconditional model. bf16 autocast (fp32
-   weights): twice the speed of fp32 on AVX-512 cores. EMA weights are kept.
+   weights): twice the speed of fp32 on AVX-512 cores. EMA weights are kept. Two stages: 2,000 steps at 1.5e-3
+   from new weights, then 2,400 more at 1e-3 from stage 1's EMA (a fresh optimizer and warm-up): after stage 1
+   the toy drew the asked colour and side for 42% of held-out prompts, after stage 2 for 95%.
 4. **Turbo**: a copy distilled onto the stored 8 sigmas: the Base model's many-step Euler trajectories between
    each pair of stored sigmas are the targets of one student step.
 """
@@ -58,17 +61,19 @@ from ..model.sampling.schedule import TURBO_SIGMAS, schedule_mu
 from ..model.transformer.dit import PrefixInputs, QwenImage21DiT
 from ..model.vae.autoencoder import QwenImage21VAE
 from ..model.vae.latents import RELEASED_LATENT_FORMAT
-from .tiny_checkpoints import dit_to_diffusers, vae_to_diffusers, write_tiny_checkpoints
+from .tiny_checkpoints import diffusers_to_dit, dit_to_diffusers, vae_to_diffusers, write_tiny_checkpoints
 from .toy_data import SIZE, Scene, random_edit, random_scene
 from .toy_model import BASE_FILE, LOG_FILE, TOY_DIR, TOY_DIT, TOY_VAE, TURBO_FILE, VAE_FILE
 
 GRID = (SIZE // 16, SIZE // 16)
+#: The DiT after its first stage (not committed: the committed Base continued from commit 33071f1's Base file).
+STAGE1_FILE = "transformer_base_stage1.safetensors"
 #: What made the committed files (docs/toy-model.md). high: the share of each batch at sigmas in [0.85, 1];
 #: shape_weight: the loss weight of the shape's tokens (1 elsewhere).
-FULL = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, dit_steps=2000, lr=1.5e-3,
-            high=0.5, shape_weight=3.0, turbo_paths=256, turbo_steps=300, batch=16)
-QUICK = dict(vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit_steps=3, lr=1.5e-3, high=0.5,
-             shape_weight=3.0, turbo_paths=2, turbo_steps=2, batch=2)
+FULL = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, dit1_steps=2000, dit1_lr=1.5e-3,
+            dit2_steps=2400, dit2_lr=1e-3, high=0.5, shape_weight=3.0, turbo_paths=256, turbo_steps=300, batch=16)
+QUICK = dict(vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3, dit2_steps=2,
+             dit2_lr=1e-3, high=0.5, shape_weight=3.0, turbo_paths=2, turbo_steps=2, batch=2)
 HIGH_SIGMAS = (0.85, 1.0)
 
 
@@ -245,17 +250,22 @@ def ema_update(ema, model, step: int) -> None:
             e.lerp_(p, 1 - decay)
 
 
-def train_dit(data, null, sizes: dict, log, checkpoint=None, seed: int = 3) -> tuple[QwenImage21DiT, float]:
-    """Flow matching from a new DiT (module docstring, phase 3); returns the EMA weights and the final loss."""
-    steps, batch, peak = sizes["dit_steps"], sizes["batch"], sizes["lr"]
-    generator = torch.Generator().manual_seed(seed)
-    dit = new_dit(2)
+def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1,
+              start: QwenImage21DiT | None = None) -> tuple[QwenImage21DiT, float]:
+    """Flow matching (module docstring, phase 3); returns the EMA weights and the final loss.
+
+    Stage 1 starts from a new DiT; stage 2 from stage 1's (bf16-rounded) EMA weights with a fresh optimizer, its own
+    random numbers and a second warm-up and cosine: a stage 2 started from the stage-1 file is the same run."""
+    steps, peak = sizes[f"dit{stage}_steps"], sizes[f"dit{stage}_lr"]
+    batch = sizes["batch"]
+    generator = torch.Generator().manual_seed(3 if stage == 1 else 6)
+    dit = new_dit(2) if start is None else copy.deepcopy(start).requires_grad_(True)
     ema = copy.deepcopy(dit).requires_grad_(False)
     opt = torch.optim.AdamW(dit.parameters(), lr=peak, betas=(0.9, 0.99), weight_decay=0.0)
     losses = []
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = cosine(step, steps, peak, 100)
+            group["lr"] = cosine(step, steps, peak, 100 if stage == 1 else 50)
         pick = torch.randint(len(data), (batch,), generator=generator).tolist()
         drop = (torch.rand(batch, generator=generator) < 0.1).tolist()
         conditions = [null if d and data[i][2] == "t2i" else data[i][0] for i, d in zip(pick, drop)]
@@ -273,7 +283,7 @@ def train_dit(data, null, sizes: dict, log, checkpoint=None, seed: int = 3) -> t
         ema_update(ema, dit, step)
         losses.append(loss.item())
         if step % 100 == 0 or step == steps - 1:
-            log(f"dit {step:5d}/{steps} loss {tail_mean(losses, 100):.4f}")
+            log(f"dit stage {stage} {step:5d}/{steps} loss {tail_mean(losses, 100):.4f}")
         if checkpoint is not None and (step + 1) % 500 == 0:
             checkpoint(ema)  # the EMA so far, to look at while training goes on
     return ema, tail_mean(losses, 100)
@@ -332,9 +342,10 @@ def bf16_copy(module: torch.nn.Module) -> dict:
     return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()}
 
 
-def train(out: Path, sizes: dict, log=print, resume: Path | None = None) -> dict:
+def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1: Path | None = None) -> dict:
     """All phases; `resume` (a folder with this script's VAE) skips the VAE phase, drawing the same random numbers,
-    so the result is the same as a run from the start."""
+    and `stage1` (this script's stage-1 DiT file) the DiT's first stage, so the result is the same as a run from
+    the start."""
     torch.manual_seed(0)
     torch.set_num_threads(2)
     rng = random.Random(0)
@@ -366,10 +377,18 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None) -> dict
     def checkpoint(ema):
         save_file(dit_to_diffusers(bf16_copy(ema)), out / BASE_FILE)
 
-    base, dit_loss = train_dit(data, null, sizes, log, checkpoint)
+    if stage1 is None:
+        base, stage1_loss = train_dit(data, null, sizes, log, checkpoint)
+        base.load_state_dict({k: v.float() for k, v in bf16_copy(base).items()})  # as its file holds them
+        save_file(dit_to_diffusers(bf16_copy(base)), out / STAGE1_FILE)
+    else:
+        base, stage1_loss = new_dit(2).requires_grad_(False), None
+        base.load_state_dict(diffusers_to_dit({k: v.float() for k, v in load_file(stage1).items()}))
+    timings["dit1_s"] = time.perf_counter() - started - sum(timings.values())
+    base, dit_loss = train_dit(data, null, sizes, log, checkpoint, stage=2, start=base)
     base.load_state_dict({k: v.float() for k, v in bf16_copy(base).items()})  # the committed (bf16) weights
     save_file(dit_to_diffusers(bf16_copy(base)), out / BASE_FILE)
-    timings["dit_s"] = time.perf_counter() - started - sum(timings.values())
+    timings["dit2_s"] = time.perf_counter() - started - sum(timings.values())
 
     paths = teacher_paths(base, data, null, sizes["turbo_paths"], sizes["batch"]) if sizes["turbo_steps"] else []
     turbo, turbo_loss = train_turbo(base, paths, sizes["turbo_steps"], sizes["batch"], log)
@@ -378,8 +397,9 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None) -> dict
     save_file(dit_to_diffusers(bf16_copy(turbo)), out / TURBO_FILE)
     record = dict(sizes=sizes, seconds={k: round(v, 1) for k, v in timings.items()},
                   total_s=round(time.perf_counter() - started, 1),
-                  final_loss=dict(dit=rounded(dit_loss), turbo=rounded(turbo_loss)), torch=torch.__version__,
-                  threads=torch.get_num_threads(), command="python demo/train_toy.py", resumed=resume is not None)
+                  final_loss=dict(dit_stage1=rounded(stage1_loss), dit=rounded(dit_loss), turbo=rounded(turbo_loss)),
+                  torch=torch.__version__, threads=torch.get_num_threads(), command="python demo/train_toy.py",
+                  resumed=resume is not None, stage1=None if stage1 is None else str(stage1))
     (out / LOG_FILE).write_text(json.dumps(record, indent=1) + "\n")
     log(json.dumps(record))
     return record
@@ -391,8 +411,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few steps of every phase (tests, smoke runs)")
     parser.add_argument("--resume", type=Path, default=None,
                         help="a folder with this script's vae.safetensors: skip the VAE phase (same result)")
+    parser.add_argument("--stage1", type=Path, default=None,
+                        help=f"this script's {STAGE1_FILE}: skip the DiT's first stage (same result)")
     args = parser.parse_args(argv)
-    train(args.out, QUICK if args.quick else FULL, log=lambda line: print(line, flush=True), resume=args.resume)
+    train(args.out, QUICK if args.quick else FULL, log=lambda line: print(line, flush=True), resume=args.resume,
+          stage1=args.stage1)
     return 0
 
 

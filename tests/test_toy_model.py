@@ -1,7 +1,7 @@
 """The toy that was trained here (demo/toy_model.py, demo/train_toy.py): its pictures show what their prompts ask
-(the background always, the colour mostly: docs/toy-model.md says how often each comes out), an edit keeps the
-reference's layout, the kept cache, partial reuse and CFG draw the same pictures as without them, and the training
-script is deterministic.
+(the background, colour and side: docs/toy-model.md says how often each comes out), an edit changes what it says
+and keeps the rest of the reference, the kept cache, partial reuse and CFG draw the same pictures as without them,
+and the training script is deterministic.
 
 Fast: inference only, on the committed files (256x256, 20 Base steps, CFG 4 against the empty prompt where a
 picture must follow its prompt). The frozen text encoder is pinned too: the DiT learnt its outputs, so a change
@@ -61,13 +61,23 @@ def test_the_asked_background_comes_out_and_transparent_is_transparent(pipe):
         assert corner_alpha < 0.1 if background == "transparent" else corner_alpha > 0.9
 
 
-def test_most_prompts_get_their_colour_and_their_side(pipe):
-    """The toy reads colour and side often, not always (docs/toy-model.md: 42% of 40 held-out prompts get both at
-    40 steps); chance is 2 of 8 colours and 1.6 of 8 sides. The background comes out every time."""
+def test_the_prompts_get_their_colour_and_their_side(pipe):
+    """The toy draws what it is asked (docs/toy-model.md: 95% of 40 held-out prompts get colour and side; all 8 here
+    did when this was written; one miss is allowed for another CPU's float sums). Chance is 2 of 8 colours and 1.6
+    of 8 sides. The background comes out every time."""
     readings = [analyse(pipe.generate(scene.caption(0), 20 + i, **GUIDED)[0][0]) for i, scene in enumerate(ASKED)]
     assert all(r.background == s.background for r, s in zip(readings, ASKED))
-    assert sum(r.colour == s.items[0].colour for r, s in zip(readings, ASKED)) >= 4
-    assert sum(r.position == s.items[0].position for r, s in zip(readings, ASKED)) >= 4
+    assert sum(r.colour == s.items[0].colour for r, s in zip(readings, ASKED)) >= 7
+    assert sum(r.position == s.items[0].position for r, s in zip(readings, ASKED)) >= 7
+
+
+@pytest.mark.parametrize("instruction, source, wanted", [
+    ("make the circle blue", Scene((Item("circle", "red", "left", "large"),), "white"), ("white", "blue", "left")),
+    ("move it to the top", Scene((Item("square", "green", "right", "large"),), "black"), ("black", "green", "top")),
+])
+def test_an_edit_changes_what_it_says_and_keeps_the_rest(pipe, instruction, source, wanted):
+    image = pipe.generate(instruction, 5, (pipe.reference(source.render()),), **GUIDED)[0][0]
+    assert analyse(image).reading == wanted
 
 
 def test_removing_the_background_keeps_the_reference_s_layout(pipe):
@@ -101,11 +111,16 @@ def test_cfg_with_the_prefix_cache_draws_what_it_draws_without(pipe):
 
 
 def test_the_training_script_is_deterministic(tmp_path):
-    """Two quick runs (a few steps of every phase) write the same bytes: the full run rebuilds the committed files
-    the same way on the same torch build and thread count."""
+    """Two quick runs (a few steps of every phase) write the same bytes, and so does a third that loads the first's
+    VAE and stage-1 DiT: the full run rebuilds the committed files the same way on the same torch build and thread
+    count."""
     from qi21.demo import train_toy
 
     for name in ("a", "b"):
         train_toy.train(tmp_path / name, train_toy.QUICK, log=lambda line: None)
+    # the committed files were made in steps: the VAE and the DiT's first stage loaded from an earlier run's files
+    train_toy.train(tmp_path / "c", train_toy.QUICK, log=lambda line: None, resume=tmp_path / "a",
+                    stage1=tmp_path / "a" / train_toy.STAGE1_FILE)
     for name in (toy_model.BASE_FILE, toy_model.TURBO_FILE, toy_model.VAE_FILE):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "c" / name).read_bytes(), name
