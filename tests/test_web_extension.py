@@ -353,6 +353,10 @@ def test_report_says_what_the_step_cache_skipped_and_each_steps_indicator(sandbo
     assert "step_cache:" not in detail  # described, not listed as an unknown key
     calls = report_call(sandbox, ("summarizeReport", [{"step_cache": dict(step_cache, per="model call")}]))
     assert calls == ["skipped 2 of 5 calls"]
+    controlled = dict(MISS, step_cache=dict(step_cache, control="recompute"))
+    detail = report_call(sandbox, ("reportDetail", [controlled]))[0]
+    assert any(line.endswith("at most 2 in a row, Fun ControlNet recomputed on skipped steps")
+               for line in detail.split("\n"))
 
 
 def test_report_with_missing_keys_or_odd_values_shows_what_is_there(sandbox):

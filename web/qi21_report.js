@@ -11,7 +11,7 @@
 // stored its rows; `cache_bytes` are the stored bytes, scales included), `prefix_key` (content hash of the rows through the last reference),
 // `step_cache` (with the Step Cache node: `mode`, `threshold`, `run` / `skipped` calls, `per` "step" or "model call",
 // `blocks_skipped_share`, per call its `indicator` (null where there was no full pass to compare with) and `pattern`,
-// "F" full / "S" skipped, model/sampling/step_cache.py) and, when there is something to say, `notes` (strings). Keys may be missing or null (e.g. no prefill on a cache hit, no cache
+// "F" full / "S" skipped, `control` "reuse" / "recompute" with a Fun ControlNet, model/sampling/step_cache.py) and, when there is something to say, `notes` (strings). Keys may be missing or null (e.g. no prefill on a cache hit, no cache
 // device when the cache is off); keys this file does not know are still shown in the detail text.
 //
 // The phase comes from ComfyUI's `progress` event (value = steps done, max = steps): with the prefix cache on,
@@ -73,7 +73,9 @@ function describeStepCache(stepCache) {
   const rule = [typeof stepCache.mode === "string" ? stepCache.mode : null,
     num(stepCache.threshold) !== null ? `threshold ${stepCache.threshold}` : null,
     Array.isArray(stepCache.window) ? `window ${stepCache.window.join("-")}` : null,
-    num(stepCache.max_skips) !== null ? `at most ${stepCache.max_skips} in a row` : null].filter(Boolean).join(", ");
+    num(stepCache.max_skips) !== null ? `at most ${stepCache.max_skips} in a row` : null,
+    typeof stepCache.control === "string" ? `Fun ControlNet ${stepCache.control}d on skipped steps` : null,
+  ].filter(Boolean).join(", ");
   lines.push(`${head}${share !== null ? ` (${Math.round(share * 100)}% of the block work)` : ""}${rule ? `; ${rule}` : ""}`);
   const indicator = Array.isArray(stepCache.indicator) ? stepCache.indicator : [];
   const pattern = typeof stepCache.pattern === "string" ? stepCache.pattern : "";
