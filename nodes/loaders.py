@@ -99,15 +99,20 @@ def device_input(tooltip: str):
     return io.Combo.Input("device", options=bridge.device_choices(), default="default", optional=True, tooltip=tooltip)
 
 
+def device_label(node) -> str:
+    """How an error names a loader's `device` input."""
+    return f"{node.define_schema().display_name}'s device"
+
+
 def device_problem(node, device) -> str | None:
     """`validate_inputs`' check of a loader's `device`: None, or a message naming the input and the devices this
     machine has (a workflow saved on a machine with more GPUs)."""
-    return bridge.device_problem(device, f"{node.define_schema().display_name}'s device")
+    return bridge.device_problem(device, device_label(node))
 
 
 def device_of(node, device) -> torch.device | None:
     """The loader's `device` as a torch device (None: "default"); `device_problem`'s message as a ValueError."""
-    return bridge.chosen_device(device, f"{node.define_schema().display_name}'s device")
+    return bridge.chosen_device(device, device_label(node))
 
 
 def default_dtype(weight_dtype: str, device: torch.device) -> str:
