@@ -5,7 +5,7 @@ Prints, per kind, the share whose shape has the asked colour and sits on the ask
 asked background too); an edit must keep what it was not asked to change. `--sheet FILE` writes every picture
 with its prompt and what was read (docs/images/toy_accuracy.png).
 
-    python benchmarks/toy_accuracy.py [--steps 40] [--cfg 4] [--turbo] [--sheet FILE]
+    python benchmarks/toy_accuracy.py [--steps 40] [--cfg 4] [--turbo] [--sheet FILE] [--toy DIR]
 """
 
 import argparse
@@ -20,7 +20,7 @@ from PIL import Image
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from qi21.demo.toy_data import random_edit, random_scene
 from qi21.demo.toy_eval import ToyPipeline, analyse
-from qi21.demo.toy_model import write_toy_checkpoints
+from qi21.demo.toy_model import TOY_DIR, write_toy_checkpoints
 from qi21.demo.toy_workflows import contact_sheet
 
 
@@ -37,13 +37,16 @@ def main():
     parser.add_argument("--prompts", type=int, default=40)
     parser.add_argument("--edits", type=int, default=20)
     parser.add_argument("--sheet", type=Path, default=None)
+    parser.add_argument("--toy", type=Path, default=TOY_DIR,
+                        help="the toy's files (default demo/toy/; a fresh `train_toy.py --out DIR` to judge it)")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     rng = random.Random(11)
     t2i = [random_scene(rng) for _ in range(args.prompts)]
     edits = [random_edit(rng, ("recolour", "move", "background")[i % 3]) for i in range(args.edits)]
     with tempfile.TemporaryDirectory() as tmp:
-        write_toy_checkpoints(Path(tmp))
+        write_toy_checkpoints(Path(tmp), args.toy)
         pipe = ToyPipeline(Path(tmp))
         entries, tick = [], time.perf_counter()
         for kind, cases in (("text-to-image", [(s.caption(0), None, s) for s in t2i]),

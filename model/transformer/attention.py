@@ -145,11 +145,14 @@ def target_attention(q, k, v, prefix_k, prefix_v) -> torch.Tensor:
     On CPU the prefix is never concatenated with the target keys: the S samples' queries, folded into one
     sequence, attend to each prefix part in one call, each sample attends to its own target keys in another, and
     the partial results are merged exactly through their log-sum-exps. Elsewhere the parts are broadcast and
-    concatenated per call.
+    concatenated per call, as they are whenever autograd records (training).
     """
     samples, length, heads, dim = q.shape
     parts = [(pk, pv) for pk, pv in zip(_parts(prefix_k), _parts(prefix_v)) if pk.shape[0]]
-    if _flash_with_lse is None or q.device.type != "cpu" or not parts:
+    # The kernel's log-sum-exp carries no gradient, so under autograd the merge's weights would be constants and
+    # the gradient would miss how attention shifts between the prefix and the target: training concatenates.
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *(x for p in parts for x in p)))
+    if _flash_with_lse is None or q.device.type != "cpu" or not parts or recording:
         keys = torch.cat([pk.expand(samples, -1, -1, -1) for pk, _ in parts] + [k], dim=1)
         values = torch.cat([pv.expand(samples, -1, -1, -1) for _, pv in parts] + [v], dim=1)
         return _sdpa(q, keys, values)

@@ -165,17 +165,20 @@ class Rows:
                  prefix: bool = True) -> torch.Tensor:
         """The training path of `modulate` (`update` None: `x * table`) and `gated_add` (`x + table * update`), out
         of place with the same row selection and the same values; inference writes into preallocated buffers."""
+        # one split, not a slice per prefix: autograd gives every slice a zero-filled gradient of the whole buffer
+        spans = self.prefix_spans if prefix else ()
+        sizes = [end - start for start, end in spans] + [x.shape[0] - (self.target_start if prefix else 0)]
+        xs, updates = x.split(sizes), (None,) * len(sizes) if update is None else update.split(sizes)
         parts = []
-        for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows) if prefix else ():
+        for x_c, update_c, row in zip(xs[:-1], updates[:-1], self.prefix_mod_rows):
             factor = table[row]
-            parts.append(x[start:end] * factor if update is None else x[start:end] + factor * update[start:end])
-        t0 = self.target_start if prefix else 0
-        target = x[t0:].view(self.samples, self.target_len, -1)
+            parts.append(x_c * factor if update is None else x_c + factor * update_c)
+        target = xs[-1].view(self.samples, self.target_len, -1)
         factor = table[: self.samples, None]
         if update is None:
             parts.append((target * factor).flatten(0, 1))
         else:
-            parts.append((target + factor * update[t0:].view_as(target)).flatten(0, 1))
+            parts.append((target + factor * updates[-1].view_as(target)).flatten(0, 1))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -265,6 +268,9 @@ class Block(nn.Module):
         factor1, gate1, factor2, gate2 = mods.chunk(4, dim=-1)
         q, k, v = self.qkv_heads(rows.modulate(layer_norm(x, self.eps), factor1), rows.rope)
         t0 = rows.target_start
+        if q.requires_grad:
+            attn = self._attention_autograd(q, k, v, rows, kv, drop_prefix)
+            return self._finish(x, attn, gate1, factor2, gate2, rows, drop_prefix)
         first_out = t0 if drop_prefix else 0
         attn = torch.empty(x.shape[0] - first_out, heads, head_dim, dtype=v.dtype, device=v.device)
         for c, (start, end) in enumerate(rows.prefix_spans):
@@ -291,7 +297,11 @@ class Block(nn.Module):
         for g, pick in enumerate(rows.readers):
             if pick is not None:
                 attn_t[pick] = rows.target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
+        return self._finish(x, attn, gate1, factor2, gate2, rows, drop_prefix)
 
+    def _finish(self, x, attn, gate1, factor2, gate2, rows: Rows, drop_prefix: bool) -> torch.Tensor:
+        """The attention's projection and the MLP, each added through its gate."""
+        t0 = rows.target_start
         if drop_prefix:
             x = x[t0:]
         keep = not drop_prefix  # after dropping them the buffer holds the target rows only
@@ -301,3 +311,40 @@ class Block(nn.Module):
         if x.dtype == torch.float16:
             x = x.clamp_(-65504, 65504)
         return x
+
+    def _attention_autograd(self, q, k, v, rows: Rows, kv, drop_prefix: bool) -> torch.Tensor:
+        """`run`'s attention when autograd records (demo/train_toy.py), the same sums out of place: one `split` per
+        tensor instead of a slice per prefix and sample, and the outputs concatenated instead of written into a
+        buffer. (Autograd turns every slice into a zero-filled gradient of the whole buffer and every slice
+        assignment into a copy of it: a cost that grows with the square of the prompts in a batch.)"""
+        t0, samples, length = rows.target_start, rows.samples, rows.target_len
+        sizes = [end - start for start, end in rows.prefix_spans] + [q.shape[0] - t0]
+        (*q_c, q_t), (*k_c, k_t), (*v_c, v_t) = (tensor.split(sizes) for tensor in (q, k, v))
+        if rows.mode == "prefill":
+            for c in range(len(q_c)):
+                kv.store(rows.chunk_groups[c], k_c[c], v_c[c])
+        outputs = [] if drop_prefix else [rows.prefix_attention(c, q_c[c], k_c[c], v_c[c], kv) for c in range(len(q_c))]
+        shape = (samples, length, self.num_heads, self.head_dim)
+        q_t, k_t, v_t = (tensor.view(shape) for tensor in (q_t, k_t, v_t))
+        groups = [(g, pick) for g, pick in enumerate(rows.readers) if pick is not None]
+        if all(isinstance(pick, slice) for _, pick in groups):  # consecutive readers: one split in sample order
+            groups.sort(key=lambda item: item[1].start)
+            counts = [pick.stop - pick.start for _, pick in groups]
+            parts = zip(*(tensor.split(counts) for tensor in (q_t, k_t, v_t)))
+            order = None
+        else:
+            picks = [torch.arange(samples)[pick] for _, pick in groups]
+            parts = [(q_t[p], k_t[p], v_t[p]) for p in picks]
+            order = torch.cat(picks).argsort()
+        target = []
+        for (g, _), (q_g, k_g, v_g) in zip(groups, parts):
+            if rows.whole and rows.whole[g] is not None:
+                prefix = (k_c[rows.whole[g]], v_c[rows.whole[g]])
+            else:
+                read = kv.read_parts(g)
+                prefix = ([pk for pk, _ in read], [pv for _, pv in read])
+            target.append(rows.target_attention(q_g, k_g, v_g, *prefix))
+        target = torch.cat(target)
+        if order is not None:
+            target = target[order]
+        return torch.cat(outputs + [target.flatten(0, 1)])

@@ -36,6 +36,8 @@ from .prefix_cache import PrefixKVCache
 from .rope import rope_rotations
 
 TIMESTEP_DIM = 256  # sinusoid width fed to the timestep MLP
+#: How many batch compositions' row rotations a layout keeps (`_rope`).
+ROWS_ROPE_KEPT = 4
 MODES = ("uncached", "prefill", "cached")
 
 
@@ -316,14 +318,21 @@ class QwenImage21DiT(nn.Module):
         def build():
             parts = [table(layouts[g], "prefix")[first:end] for g, first, end in chunks]
             parts += [table(layouts[g], "target") for g in sample_prefix]
-            # the value keeps the layouts alive, so the identity check below can never match a reused id
-            return layouts, torch.cat(parts) if len(parts) > 1 else parts[0]
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-        key = ("rows_rope", str(device), axes, tuple(map(id, layouts)), tuple(sample_prefix), tuple(chunks))
-        kept_layouts, rope = layouts[0].memo(key, build)
-        if any(a is not b for a, b in zip(kept_layouts, layouts)):
-            rope = build()[1]
-        return rope
+        # The last few batch compositions that started with this layout, oldest first: a sampling loop repeats one
+        # (or two, with CFG) every step, while a layout that lives on (a prompt ComfyUI keeps, a training set)
+        # meets ever new ones, whose tables and other layouts must not pile up here.
+        recent = layouts[0].memo("rows_rope", dict)
+        key = (str(device), axes, tuple(map(id, layouts)), tuple(sample_prefix), tuple(chunks))
+        kept = recent.pop(key, None)
+        # the entry keeps its layouts alive, so the identity check can never match a reused id
+        if kept is None or any(a is not b for a, b in zip(kept[0], layouts)):
+            kept = (layouts, build())
+        recent[key] = kept  # now the newest
+        while len(recent) > ROWS_ROPE_KEPT:
+            recent.pop(next(iter(recent)))
+        return kept[1]
 
     def _embed_prefix(self, prefix: PrefixInputs, dtype, device) -> torch.Tensor:
         """`(P, width)` prefix rows: projected text in its rows, projected reference latents in theirs."""
