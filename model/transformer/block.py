@@ -112,6 +112,24 @@ class Rows:
         return replace(self, prefix_spans=(), rope=self.rope[self.target_start :], chunk_groups=(), whole=(),
                        chunk_segments=(), chunk_first=(), chunk_masks=())
 
+    def chunks(self, x: torch.Tensor, prefix: bool = True) -> tuple[torch.Tensor, ...]:
+        """The buffer `x` as views: each chunk's rows, then the target rows (only those with `prefix=False`, a buffer
+        after the last block dropped the rest). One split rather than a slice per chunk: under autograd every slice
+        gets a zero-filled gradient of the whole buffer. A buffer of target rows only is returned as it is (a cached
+        step launches no split)."""
+        if not prefix or not self.prefix_spans:
+            return (x,)
+        return x.split([end - start for start, end in self.prefix_spans] + [x.shape[0] - self.target_start])
+
+    def prefix_keys(self, g: int, chunk_k, chunk_v, kv=None) -> tuple:
+        """Prefix g's keys and values for the target rows: its whole chunk's (`chunk_k[c]`, `chunk_v[c]`, from
+        `chunks`), or the parts the cache holds (`attention.target_attention`'s forms)."""
+        chunk = self.whole[g] if self.whole else None
+        if chunk is not None:
+            return chunk_k[chunk], chunk_v[chunk]
+        parts = kv.read_parts(g)
+        return [pk for pk, _ in parts], [pv for _, pv in parts]
+
     def prefix_attention(self, c: int, q, k, v, kv=None) -> torch.Tensor:
         """Block-causal attention of chunk c's rows `(n, heads, head_dim)` (`chunk_attention`), through
         `prefix_split` when a parallel run set one."""
@@ -165,10 +183,8 @@ class Rows:
                  prefix: bool = True) -> torch.Tensor:
         """The training path of `modulate` (`update` None: `x * table`) and `gated_add` (`x + table * update`), out
         of place with the same row selection and the same values; inference writes into preallocated buffers."""
-        # one split, not a slice per prefix: autograd gives every slice a zero-filled gradient of the whole buffer
-        spans = self.prefix_spans if prefix else ()
-        sizes = [end - start for start, end in spans] + [x.shape[0] - (self.target_start if prefix else 0)]
-        xs, updates = x.split(sizes), (None,) * len(sizes) if update is None else update.split(sizes)
+        xs = self.chunks(x, prefix)
+        updates = (None,) * len(xs) if update is None else self.chunks(update, prefix)
         parts = []
         for x_c, update_c, row in zip(xs[:-1], updates[:-1], self.prefix_mod_rows):
             factor = table[row]
@@ -273,31 +289,26 @@ class Block(nn.Module):
             return self._finish(x, attn, gate1, factor2, gate2, rows, drop_prefix)
         first_out = t0 if drop_prefix else 0
         attn = torch.empty(x.shape[0] - first_out, heads, head_dim, dtype=v.dtype, device=v.device)
-        for c, (start, end) in enumerate(rows.prefix_spans):
-            if rows.mode == "prefill":  # every chunk's keys first: a later chunk may read an earlier one's
-                kv.store(rows.chunk_groups[c], k[start:end], v[start:end])
+        (*q_c, q_t), (*k_c, k_t), (*v_c, v_t) = (rows.chunks(tensor) for tensor in (q, k, v))
+        self._store_prefill(rows, k_c, v_c, kv)
         if not drop_prefix:
             for c, (start, end) in enumerate(rows.prefix_spans):
-                attn[start:end] = rows.prefix_attention(c, q[start:end], k[start:end], v[start:end], kv)
-        prefix_kv = []
-        for g in range(len(rows.prefix_lens)):
-            chunk = rows.whole[g] if rows.whole else None
-            if chunk is not None:
-                start, end = rows.prefix_spans[chunk]
-                prefix_kv.append((k[start:end], v[start:end]))
-            elif rows.readers[g] is None:
-                prefix_kv.append(None)
-            else:
-                parts = kv.read_parts(g)
-                prefix_kv.append(([pk for pk, _ in parts], [pv for _, pv in parts]))
-
-        samples, length = rows.samples, rows.target_len
-        q_t, k_t, v_t = (tensor[t0:].view(samples, length, heads, head_dim) for tensor in (q, k, v))
-        attn_t = attn[t0 - first_out :].view(samples, length, heads, head_dim)
+                attn[start:end] = rows.prefix_attention(c, q_c[c], k_c[c], v_c[c], kv)
+        shape = (rows.samples, rows.target_len, heads, head_dim)
+        q_t, k_t, v_t = (tensor.view(shape) for tensor in (q_t, k_t, v_t))
+        attn_t = attn[t0 - first_out :].view(shape)
         for g, pick in enumerate(rows.readers):
             if pick is not None:
-                attn_t[pick] = rows.target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix_kv[g])
+                prefix = rows.prefix_keys(g, k_c, v_c, kv)
+                attn_t[pick] = rows.target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix)
         return self._finish(x, attn, gate1, factor2, gate2, rows, drop_prefix)
+
+    @staticmethod
+    def _store_prefill(rows: Rows, chunk_k, chunk_v, kv) -> None:
+        """A prefill stores every chunk's keys first: a later chunk may read an earlier one's."""
+        if rows.mode == "prefill":
+            for c in range(len(chunk_k)):
+                kv.store(rows.chunk_groups[c], chunk_k[c], chunk_v[c])
 
     def _finish(self, x, attn, gate1, factor2, gate2, rows: Rows, drop_prefix: bool) -> torch.Tensor:
         """The attention's projection and the MLP, each added through its gate."""
@@ -313,16 +324,12 @@ class Block(nn.Module):
         return x
 
     def _attention_autograd(self, q, k, v, rows: Rows, kv, drop_prefix: bool) -> torch.Tensor:
-        """`run`'s attention when autograd records (demo/train_toy.py), the same sums out of place: one `split` per
-        tensor instead of a slice per prefix and sample, and the outputs concatenated instead of written into a
-        buffer. (Autograd turns every slice into a zero-filled gradient of the whole buffer and every slice
-        assignment into a copy of it: a cost that grows with the square of the prompts in a batch.)"""
-        t0, samples, length = rows.target_start, rows.samples, rows.target_len
-        sizes = [end - start for start, end in rows.prefix_spans] + [q.shape[0] - t0]
-        (*q_c, q_t), (*k_c, k_t), (*v_c, v_t) = (tensor.split(sizes) for tensor in (q, k, v))
-        if rows.mode == "prefill":
-            for c in range(len(q_c)):
-                kv.store(rows.chunk_groups[c], k_c[c], v_c[c])
+        """`run`'s attention when autograd records (demo/train_toy.py), the same sums out of place: the samples split
+        too, and the outputs concatenated instead of written into a buffer (autograd turns every slice assignment
+        into a copy of the whole buffer: a cost that grows with the square of the prompts in a batch)."""
+        samples, length = rows.samples, rows.target_len
+        (*q_c, q_t), (*k_c, k_t), (*v_c, v_t) = (rows.chunks(tensor) for tensor in (q, k, v))
+        self._store_prefill(rows, k_c, v_c, kv)
         outputs = [] if drop_prefix else [rows.prefix_attention(c, q_c[c], k_c[c], v_c[c], kv) for c in range(len(q_c))]
         shape = (samples, length, self.num_heads, self.head_dim)
         q_t, k_t, v_t = (tensor.view(shape) for tensor in (q_t, k_t, v_t))
@@ -338,12 +345,7 @@ class Block(nn.Module):
             order = torch.cat(picks).argsort()
         target = []
         for (g, _), (q_g, k_g, v_g) in zip(groups, parts):
-            if rows.whole and rows.whole[g] is not None:
-                prefix = (k_c[rows.whole[g]], v_c[rows.whole[g]])
-            else:
-                read = kv.read_parts(g)
-                prefix = ([pk for pk, _ in read], [pv for _, pv in read])
-            target.append(rows.target_attention(q_g, k_g, v_g, *prefix))
+            target.append(rows.target_attention(q_g, k_g, v_g, *rows.prefix_keys(g, k_c, v_c, kv)))
         target = torch.cat(target)
         if order is not None:
             target = target[order]

@@ -325,10 +325,8 @@ class QwenImage21DiT(nn.Module):
         # meets ever new ones, whose tables and other layouts must not pile up here.
         recent = layouts[0].memo("rows_rope", dict)
         key = (str(device), axes, tuple(map(id, layouts)), tuple(sample_prefix), tuple(chunks))
-        kept = recent.pop(key, None)
-        # the entry keeps its layouts alive, so the identity check can never match a reused id
-        if kept is None or any(a is not b for a, b in zip(kept[0], layouts)):
-            kept = (layouts, build())
+        # the entry keeps its layouts alive, so no other layout can take one of their ids while it is here
+        kept = recent.pop(key, None) or (layouts, build())
         recent[key] = kept  # now the newest
         while len(recent) > ROWS_ROPE_KEPT:
             recent.pop(next(iter(recent)))
