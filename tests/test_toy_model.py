@@ -124,3 +124,17 @@ def test_the_training_script_is_deterministic(tmp_path):
     for name in (toy_model.BASE_FILE, toy_model.TURBO_FILE, toy_model.VAE_FILE):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "c" / name).read_bytes(), name
+
+
+def test_the_training_command_line_picks_a_recipe_and_records_itself(tmp_path, monkeypatch):
+    from qi21.demo import train_toy
+
+    calls = []
+    monkeypatch.setattr(train_toy, "train", lambda out, sizes, **kwargs: calls.append((out, sizes, kwargs)))
+    train_toy.main(["--out", str(tmp_path)])
+    train_toy.main(["--recipe", "long", "--out", str(tmp_path)])
+    train_toy.main(["--quick", "--out", str(tmp_path)])
+    assert [sizes for _, sizes, _ in calls] == [train_toy.RECIPES["hour"], train_toy.RECIPES["long"], train_toy.QUICK]
+    assert calls[1][2]["command"] == f"python demo/train_toy.py --recipe long --out {tmp_path}"
+    with pytest.raises(SystemExit):
+        train_toy.main(["--recipe", "fast"])
