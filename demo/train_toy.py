@@ -78,18 +78,17 @@ GRID = (SIZE // 16, SIZE // 16)
 STAGE1_FILE = "transformer_base_stage1.safetensors"
 #: The recipes (docs/toy-model.md has what each drew; the committed files are older, see above). high: the share of
 #: each batch at sigmas in [0.85, 1]; shape_weight: the loss weight of the shape's tokens (1 elsewhere).
+_SHARED = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, high=0.5, shape_weight=3.0)
 RECIPES = {
     # the default: the hour on 2 cores (3,504 s measured; 80% / 80% at cfg 1)
-    "hour": dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, dit1_steps=3400,
-                 dit1_lr=1.2e-3, dit2_steps=1800, dit2_lr=8e-4, high=0.5, shape_weight=3.0, turbo_paths=128,
+    "hour": dict(_SHARED, dit1_steps=3400, dit1_lr=1.2e-3, dit2_steps=1800, dit2_lr=8e-4, turbo_paths=128,
                  turbo_steps=400, batch=8),
     # half again as long (~89 minutes), and it draws better (90% / 90% at cfg 1)
-    "long": dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, dit1_steps=3000,
-                 dit1_lr=1.5e-3, dit2_steps=1500, dit2_lr=1e-3, high=0.5, shape_weight=3.0, turbo_paths=256,
+    "long": dict(_SHARED, dit1_steps=3000, dit1_lr=1.5e-3, dit2_steps=1500, dit2_lr=1e-3, turbo_paths=256,
                  turbo_steps=300, batch=16),
 }
-QUICK = dict(vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3, dit2_steps=2,
-             dit2_lr=1e-3, high=0.5, shape_weight=3.0, turbo_paths=2, turbo_steps=2, batch=2)
+QUICK = dict(_SHARED, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
+             dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2)
 HIGH_SIGMAS = (0.85, 1.0)
 
 
