@@ -6,8 +6,8 @@
     python demo/train_toy.py --resume demo/toy   # the same, the VAE phase skipped (its file loaded)
     python demo/train_toy.py --resume demo/toy --stage1 FILE   # the same, the DiT's stage 1 too (its file loaded)
 
-Phases, each seeded, in one process with 2 threads (the same torch build and thread count rebuild the files
-bit for bit; another thread count changes the float sums and so the files):
+Phases, each seeded, in one process with 2 threads (the same torch build, thread count and `--precision` rebuild
+the files bit for bit; another thread count changes the float sums and so the files):
 1. **VAE** (the released architecture at widths 8/12) as an autoencoder on 128 px crops around a shape: L2 + L1
    reconstruction (the shape's pixels weighted 5x) and a light KL to N(0, 1), so the decoder tolerates the DiT's
    imperfect latents; channels-last tensors (the CPU's convolutions run 2-3x faster on them). Then frozen, its latent
@@ -24,7 +24,8 @@ bit for bit; another thread count changes the float sums and so the files):
    almost never goes there (a first model trained without it drew shapes but ignored its prompts). The shape's
    latent tokens weigh more in the loss (a small shape is a few % of the tokens, yet all of what the prompt
    says). 10% of text-to-image prompts are empty so CFG has an unconditional model. bf16 autocast (fp32
-   weights): twice the speed of fp32 on AVX-512 cores. EMA weights are kept. Under autograd the pack's blocks
+   weights) where the CPU has native bf16 (AVX-512, AMX: twice the speed of fp32), else fp32 (an AVX2 CPU emulates
+   bf16 at a 14th of fp32's speed). EMA weights are kept. Under autograd the pack's blocks
    split their row buffer once (not a slice per prompt) and the target rows attend to concatenated keys (the
    CPU kernel's log-sum-exp merge has no gradient): tests/test_training_gradients.py checks the derivative. Two
    stages (`RECIPES`): new weights, then more steps from stage 1's EMA (a fresh optimizer and warm-up). `hour`
@@ -90,6 +91,8 @@ RECIPES = {
 QUICK = dict(_SHARED, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
              dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2)
 HIGH_SIGMAS = (0.85, 1.0)
+#: The DiT's compute dtype (`--precision`): auto is bf16 on CPUs with native bf16 (AVX-512, AMX), else fp32.
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 def pixels(image) -> torch.Tensor:
@@ -262,10 +265,26 @@ def training_sigmas(count: int, generator, high: float = 0.0) -> torch.Tensor:
     return torch.where(torch.rand(count, generator=generator) < high, noisy, sigmas)
 
 
-def velocity(dit, x, sigma, conditions):
-    """The DiT's prediction under bf16 autocast (fp32 weights, fp32 out)."""
+def native_bf16() -> bool:
+    """Whether this CPU has oneDNN's bf16 kernels (AVX-512 or AMX). There bf16 autocast halves a step; on an AVX2 CPU
+    bf16 is emulated op by op and a step of 8 took 11.3 s against 0.79 s in fp32 (docs/toy-model.md)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the query: fp32 is right everywhere
+        return False
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """`PRECISIONS` -> the DiT's compute dtype (its weights stay fp32); "auto" is bf16 where the CPU has it."""
+    if precision == "auto":
+        precision = "bf16" if native_bf16() else "fp32"
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def velocity(dit, x, sigma, conditions, dtype: torch.dtype = torch.bfloat16):
+    """The DiT's prediction (fp32 weights, fp32 out), computed under autocast to `dtype` unless that is fp32."""
     prefixes = [PrefixInputs(layout=c.layout(GRID), text=c.text, references=c.references) for c in conditions]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         out = dit(x, sigma, prefixes, sample_prefix=list(range(len(conditions))))
     return out.float()
 
@@ -277,8 +296,8 @@ def ema_update(ema, model, step: int) -> None:
             e.lerp_(p, 1 - decay)
 
 
-def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1,
-              start: QwenImage21DiT | None = None) -> tuple[QwenImage21DiT, float]:
+def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1, start: QwenImage21DiT | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> tuple[QwenImage21DiT, float]:
     """Flow matching (module docstring, phase 3); returns the EMA weights and the final loss.
 
     Stage 1 starts from a new DiT; stage 2 from stage 1's (bf16-rounded) EMA weights with a fresh optimizer, its own
@@ -301,7 +320,7 @@ def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1,
         noise = torch.randn(x0.shape, generator=generator)
         sigma = training_sigmas(batch, generator, sizes["high"])
         xs = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
-        error = velocity(dit, xs, sigma, conditions) - (noise - x0)
+        error = velocity(dit, xs, sigma, conditions, dtype) - (noise - x0)
         loss = (weight * error.pow(2)).mean() / weight.mean()
         opt.zero_grad()
         loss.backward()
@@ -318,7 +337,7 @@ def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1,
 
 # -- 4. Turbo --------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def teacher_paths(teacher, data, null, count: int, batch: int) -> list[tuple]:
+def teacher_paths(teacher, data, null, count: int, batch: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple]:
     """Base's Euler trajectories through the stored sigmas (5 substeps per interval, 10 in the last, which ends
     at 0): `(conditioning, x at each stored sigma + the end)`."""
     generator = torch.Generator().manual_seed(4)
@@ -333,14 +352,15 @@ def teacher_paths(teacher, data, null, count: int, batch: int) -> list[tuple]:
             sub = 10 if lo == 0 else 5
             for k in range(sub):
                 s, s_next = hi + (lo - hi) * k / sub, hi + (lo - hi) * (k + 1) / sub
-                v = velocity(teacher, x, torch.full((batch,), s), conditions)
+                v = velocity(teacher, x, torch.full((batch,), s), conditions, dtype)
                 x = x + (s_next - s) * v
             points.append(x)
         paths += [(conditions[b], torch.stack([p[b] for p in points])) for b in range(batch)]
     return paths
 
 
-def train_turbo(base, paths, steps: int, batch: int, log) -> tuple[QwenImage21DiT, float]:
+def train_turbo(base, paths, steps: int, batch: int, log,
+                dtype: torch.dtype = torch.bfloat16) -> tuple[QwenImage21DiT, float]:
     generator = torch.Generator().manual_seed(5)
     student = copy.deepcopy(base).requires_grad_(True)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)
@@ -353,7 +373,7 @@ def train_turbo(base, paths, steps: int, batch: int, log) -> tuple[QwenImage21Di
         x_next = torch.stack([paths[i][1][h + 1] for i, h in zip(pick, hop.tolist())])
         s, s_next = sigmas[hop], sigmas[hop + 1]
         target = (x_next - x) / (s_next - s)[:, None, None]  # the one step that lands where Base's many land
-        loss = F.mse_loss(velocity(student, x, s, [paths[i][0] for i in pick]), target)
+        loss = F.mse_loss(velocity(student, x, s, [paths[i][0] for i in pick], dtype), target)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -370,12 +390,13 @@ def bf16_copy(module: torch.nn.Module) -> dict:
 
 
 def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1: Path | None = None,
-          command: str = "python demo/train_toy.py") -> dict:
+          command: str = "python demo/train_toy.py", precision: str = "auto") -> dict:
     """All phases; `resume` (a folder with this script's VAE) skips the VAE phase, drawing the same random numbers,
     and `stage1` (this script's stage-1 DiT file) the DiT's first stage, so the result is the same as a run from
-    the start."""
+    the start. `precision` (`PRECISIONS`) is the DiT's compute dtype: bf16 and fp32 give different files."""
     torch.manual_seed(0)
     torch.set_num_threads(2)
+    dtype = compute_dtype(precision)
     rng = random.Random(0)
     timings, started = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:  # the demo's seeded text encoder, frozen
@@ -407,20 +428,20 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1:
         save_file(dit_to_diffusers(bf16_copy(ema)), out / BASE_FILE)
 
     if stage1 is None:
-        base, stage1_loss = train_dit(data, null, sizes, log, checkpoint)
+        base, stage1_loss = train_dit(data, null, sizes, log, checkpoint, dtype=dtype)
         base.load_state_dict({k: v.float() for k, v in bf16_copy(base).items()})  # as its file holds them
         save_file(dit_to_diffusers(bf16_copy(base)), out / STAGE1_FILE)
     else:
         base, stage1_loss = new_dit(2).requires_grad_(False), None
         base.load_state_dict(diffusers_to_dit({k: v.float() for k, v in load_file(stage1).items()}))
     timings["dit1_s"] = time.perf_counter() - started - sum(timings.values())
-    base, dit_loss = train_dit(data, null, sizes, log, checkpoint, stage=2, start=base)
+    base, dit_loss = train_dit(data, null, sizes, log, checkpoint, stage=2, start=base, dtype=dtype)
     base.load_state_dict({k: v.float() for k, v in bf16_copy(base).items()})  # the committed (bf16) weights
     save_file(dit_to_diffusers(bf16_copy(base)), out / BASE_FILE)
     timings["dit2_s"] = time.perf_counter() - started - sum(timings.values())
 
-    paths = teacher_paths(base, data, null, sizes["turbo_paths"], sizes["batch"]) if sizes["turbo_steps"] else []
-    turbo, turbo_loss = train_turbo(base, paths, sizes["turbo_steps"], sizes["batch"], log)
+    paths = teacher_paths(base, data, null, sizes["turbo_paths"], sizes["batch"], dtype) if sizes["turbo_steps"] else []
+    turbo, turbo_loss = train_turbo(base, paths, sizes["turbo_steps"], sizes["batch"], log, dtype)
     timings["turbo_s"] = time.perf_counter() - started - sum(timings.values())
 
     save_file(dit_to_diffusers(bf16_copy(turbo)), out / TURBO_FILE)
@@ -428,6 +449,7 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1:
                   total_s=round(time.perf_counter() - started, 1),
                   final_loss=dict(dit_stage1=rounded(stage1_loss), dit=rounded(dit_loss), turbo=rounded(turbo_loss)),
                   torch=torch.__version__, threads=torch.get_num_threads(), command=command,
+                  compute=str(dtype).removeprefix("torch."), cpu=torch.backends.cpu.get_cpu_capability(),
                   resumed=resume is not None, stage1=None if stage1 is None else str(stage1))
     (out / LOG_FILE).write_text(json.dumps(record, indent=1) + "\n")
     log(json.dumps(record))
@@ -439,6 +461,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=TOY_DIR, help="where the files go (default demo/toy/)")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="hour",
                         help="hour: fits an hour on 2 cores (default); long: ~1.5 h, draws better (docs/toy-model.md)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="the DiT's compute dtype: auto = bf16 where the CPU has it natively (AVX-512), else fp32")
     parser.add_argument("--quick", action="store_true", help="a few steps of every phase (tests, smoke runs)")
     parser.add_argument("--resume", type=Path, default=None,
                         help="a folder with this script's vae.safetensors: skip the VAE phase (same result)")
@@ -447,7 +471,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     command = " ".join(["python demo/train_toy.py", *(sys.argv[1:] if argv is None else argv)])
     train(args.out, QUICK if args.quick else RECIPES[args.recipe], log=lambda line: print(line, flush=True),
-          resume=args.resume, stage1=args.stage1, command=command)
+          resume=args.resume, stage1=args.stage1, command=command, precision=args.precision)
     return 0
 
 

@@ -133,8 +133,19 @@ def test_the_training_command_line_picks_a_recipe_and_records_itself(tmp_path, m
     monkeypatch.setattr(train_toy, "train", lambda out, sizes, **kwargs: calls.append((out, sizes, kwargs)))
     train_toy.main(["--out", str(tmp_path)])
     train_toy.main(["--recipe", "long", "--out", str(tmp_path)])
-    train_toy.main(["--quick", "--out", str(tmp_path)])
+    train_toy.main(["--quick", "--out", str(tmp_path), "--precision", "fp32"])
     assert [sizes for _, sizes, _ in calls] == [train_toy.RECIPES["hour"], train_toy.RECIPES["long"], train_toy.QUICK]
     assert calls[1][2]["command"] == f"python demo/train_toy.py --recipe long --out {tmp_path}"
+    assert [kwargs["precision"] for _, _, kwargs in calls] == ["auto", "auto", "fp32"]
     with pytest.raises(SystemExit):
         train_toy.main(["--recipe", "fast"])
+
+
+def test_the_training_computes_in_bf16_only_where_the_cpu_has_it(monkeypatch):
+    """bf16 autocast halves a step on AVX-512 but is emulated, 14x slower than fp32, on AVX2 (docs/toy-model.md)."""
+    from qi21.demo import train_toy
+
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(train_toy, "native_bf16", lambda native=native: native)
+        assert train_toy.compute_dtype("auto") == expected
+        assert train_toy.compute_dtype("bf16") == torch.bfloat16 and train_toy.compute_dtype("fp32") == torch.float32
