@@ -28,7 +28,10 @@ the files bit for bit; another thread count changes the float sums and so the fi
    bf16 at a 14th of fp32's speed). EMA weights are kept. Under autograd the pack's blocks
    split their row buffer once (not a slice per prompt) and the target rows attend to concatenated keys (the
    CPU kernel's log-sum-exp merge has no gradient): tests/test_training_gradients.py checks the derivative. Two
-   stages (`RECIPES`): new weights, then more steps from stage 1's EMA (a fresh optimizer and warm-up). `hour`
+   stages (`RECIPES`): new weights, then more steps from stage 1's EMA (a fresh optimizer and warm-up). Stage 1 may
+   train on the text-to-image scenes box-downscaled to `stage1_size` (128 px: 8x8 latent tokens; an edit's
+   reference cannot shrink below the VLM's 256 px, so edits wait for stage 2): the image rows' rotary ids are
+   zero-centred, so a side is the same sign at both sizes, and a step costs ~0.3 of a full one. `hour`
    (the default) takes 3,400 + 1,800 steps of 8, `long` 3,000 + 1,500 of 16; docs/toy-model.md has what each
    drew (the asked colour and side for 80% of held-out prompts at cfg 1 after `hour`, 90% after `long`). The
    committed files are older: commit 2b27f68's script made them (2,000 + 2,400 steps of 16, before the gradient
@@ -49,8 +52,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 if __name__ == "__main__" and not (__package__ or "").endswith(".demo"):
@@ -79,7 +84,8 @@ GRID = (SIZE // 16, SIZE // 16)
 STAGE1_FILE = "transformer_base_stage1.safetensors"
 #: The recipes (docs/toy-model.md has what each drew; the committed files are older, see above). high: the share of
 #: each batch at sigmas in [0.85, 1]; shape_weight: the loss weight of the shape's tokens (1 elsewhere).
-_SHARED = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, high=0.5, shape_weight=3.0)
+_SHARED = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, high=0.5, shape_weight=3.0,
+               stage1_size=SIZE)
 RECIPES = {
     # the default: the issue's hour on 2 cores (3,504 s measured; 80% / 80% at cfg 1)
     "hour": dict(_SHARED, dit1_steps=3400, dit1_lr=1.2e-3, dit2_steps=1800, dit2_lr=8e-4, turbo_paths=128,
@@ -87,9 +93,14 @@ RECIPES = {
     # half again as long (~89 minutes), and it draws better (90% / 90% at cfg 1)
     "long": dict(_SHARED, dit1_steps=3000, dit1_lr=1.5e-3, dit2_steps=1500, dit2_lr=1e-3, turbo_paths=256,
                  turbo_steps=300, batch=16),
+    # stage 1 on 128 px text-to-image (a step ~0.3x a full one): its DiT phases measured alone, 26 min on 2 AVX2
+    # cores in fp32, 90% of prompts but 35% of edits at cfg 1 (edits only meet stage 2's 1,000 steps)
+    "lowres": dict(_SHARED, stage1_size=128, dit1_steps=3000, dit1_lr=1.2e-3, dit2_steps=1000, dit2_lr=8e-4,
+                   turbo_paths=128, turbo_steps=400, batch=8),
 }
+# (its stage 1 is the smaller one: the determinism test then covers both sizes)
 QUICK = dict(_SHARED, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
-             dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2)
+             dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2, stage1_size=128)
 HIGH_SIGMAS = (0.85, 1.0)
 #: The DiT's compute dtype (`--precision`): auto is bf16 on CPUs with native bf16 (AVX-512, AMX), else fp32.
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -98,6 +109,13 @@ PRECISIONS = ("auto", "bf16", "fp32")
 def pixels(image) -> torch.Tensor:
     """PIL RGBA -> `(4, H, W)` in [-1, 1], as the reference node hands pixels to the VAE."""
     return prepare_reference(image, resolution=0).pixels[0]
+
+
+def small_pixels(image, size: int) -> torch.Tensor:
+    """PIL RGBA -> `(4, size, size)` in [-1, 1], box-downscaled: `pixels`' numbers at a size the reference node
+    refuses (below the VLM's 256 px), for text-to-image targets only."""
+    small = np.asarray(image.convert("RGBA").resize((size, size), Image.Resampling.BOX), dtype=np.float32)
+    return torch.from_numpy(small).permute(2, 0, 1) / 127.5 - 1
 
 
 def tail_mean(values: list, count: int) -> float | None:
@@ -189,20 +207,23 @@ def encode_latents(vae: QwenImage21VAE, batch: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def background_pixels(background: str) -> torch.Tensor:
-    return pixels(Scene((), background).render())
+def background_pixels(background: str, size: int = SIZE) -> torch.Tensor:
+    plain = Scene((), background).render()
+    return pixels(plain) if size == SIZE else small_pixels(plain, size)
 
 
 def shape_tokens(*drawn: tuple[torch.Tensor, str]) -> torch.Tensor:
     """`(h*w,)` 1.0 at the latent tokens the shapes of any `(pixels, background)` touch (pixels away from the
     plain background), else 0."""
-    mask = torch.stack([(image - background_pixels(background)).abs().amax(0) > 0.1 for image, background in drawn])
+    mask = torch.stack([(image - background_pixels(background, image.shape[-1])).abs().amax(0) > 0.1
+                        for image, background in drawn])
     return F.max_pool2d(mask.any(0).float()[None, None], 16).flatten()
 
 
-def build_data(vae, text_encoder, sizes: dict, rng: random.Random, log) -> list[tuple]:
-    """(conditioning, target tokens, kind, shape tokens) for every training example; an edit's shape tokens are
-    where the shape is in the source or the target (where it must appear or go)."""
+def build_data(vae, text_encoder, sizes: dict, rng: random.Random, log) -> tuple[list, list | None]:
+    """(conditioning, target tokens, kind, shape tokens) for every training example, and the text-to-image ones
+    again at `stage1_size` px when that is smaller (else None); an edit's shape tokens are where the shape is in the
+    source or the target (where it must appear or go)."""
     captions = {}
 
     def condition(caption):
@@ -213,13 +234,19 @@ def build_data(vae, text_encoder, sizes: dict, rng: random.Random, log) -> list[
     vae.to(memory_format=torch.channels_last)  # 2-3x faster convolutions on the CPU
     scenes = [random_scene(rng) for _ in range(sizes["t2i"])]
     scenes += [random_scene(rng, two_shapes=True) for _ in range(sizes["two_shape"])]
-    data = []
+    data, small = [], [] if sizes["stage1_size"] < SIZE else None
     for start in range(0, len(scenes), 256):  # a few hundred pictures at a time: a small heap trains faster
         chunk = scenes[start : start + 256]
-        images = torch.stack([pixels(s.render()) for s in chunk])  # each scene drawn once
+        drawn = [s.render() for s in chunk]  # each scene drawn once
+        images = torch.stack([pixels(image) for image in drawn])
         targets = encode_latents(vae, images)
-        data += [(condition(s.caption(rng.randrange(3) if len(s.items) == 1 else 0)), t, "t2i",
+        added = [(condition(s.caption(rng.randrange(3) if len(s.items) == 1 else 0)), t, "t2i",
                   shape_tokens((image, s.background))) for s, image, t in zip(chunk, images, targets)]
+        data += added
+        if small is not None:  # the same scenes and captions, smaller
+            images = torch.stack([small_pixels(image, sizes["stage1_size"]) for image in drawn])
+            small += [(c, t, kind, shape_tokens((image, s.background)))
+                      for (c, _, kind, _), s, image, t in zip(added, chunk, images, encode_latents(vae, images))]
     log(f"data: {len(scenes)} text-to-image scenes, {len(captions)} distinct captions")
     edits = [random_edit(rng) for _ in range(sizes["edits"])]
     for start in range(0, len(edits), 256):
@@ -232,7 +259,7 @@ def build_data(vae, text_encoder, sizes: dict, rng: random.Random, log) -> list[
             data.append((encode_prompt(text_encoder, edit.instruction, [reference]), target, edit.kind,
                          shape_tokens((source.pixels[0], edit.source.background), (image, edit.target.background))))
     log(f"data: {len(edits)} edit pairs")
-    return data
+    return data, small
 
 
 # -- 3. DiT ----------------------------------------------------------------------------------------------------
@@ -254,11 +281,11 @@ def new_dit(seed: int) -> QwenImage21DiT:
     return dit.requires_grad_(True)
 
 
-def training_sigmas(count: int, generator, high: float = 0.0) -> torch.Tensor:
-    """Logit-normal u, shifted as the Base schedule shifts a 256x256 target (exponential, mu at 256 tokens); a
-    share `high` of them uniform in `HIGH_SIGMAS` instead."""
+def training_sigmas(count: int, generator, high: float = 0.0, tokens: int = GRID[0] * GRID[1]) -> torch.Tensor:
+    """Logit-normal u, shifted as the Base schedule shifts a target of `tokens` latent tokens (exponential; mu 0.5
+    at 256x256); a share `high` of them uniform in `HIGH_SIGMAS` instead."""
     u = torch.sigmoid(torch.randn(count, generator=generator))
-    shift = math.exp(schedule_mu(GRID[0] * GRID[1]))
+    shift = math.exp(schedule_mu(tokens))
     sigmas = shift / (shift + 1 / u - 1)
     lo, hi = HIGH_SIGMAS
     noisy = lo + (hi - lo) * torch.rand(count, generator=generator)
@@ -282,8 +309,10 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 def velocity(dit, x, sigma, conditions, dtype: torch.dtype = torch.bfloat16):
-    """The DiT's prediction (fp32 weights, fp32 out), computed under autocast to `dtype` unless that is fp32."""
-    prefixes = [PrefixInputs(layout=c.layout(GRID), text=c.text, references=c.references) for c in conditions]
+    """The DiT's prediction (fp32 weights, fp32 out) for square targets `x` `(B, side**2, 64)`, computed under
+    autocast to `dtype` unless that is fp32."""
+    side = math.isqrt(x.shape[1])
+    prefixes = [PrefixInputs(layout=c.layout((side, side)), text=c.text, references=c.references) for c in conditions]
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         out = dit(x, sigma, prefixes, sample_prefix=list(range(len(conditions))))
     return out.float()
@@ -318,7 +347,7 @@ def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1, sta
         x0 = torch.stack([data[i][1] for i in pick])
         weight = 1 + (sizes["shape_weight"] - 1) * torch.stack([data[i][3] for i in pick])[:, :, None]
         noise = torch.randn(x0.shape, generator=generator)
-        sigma = training_sigmas(batch, generator, sizes["high"])
+        sigma = training_sigmas(batch, generator, sizes["high"], tokens=x0.shape[1])
         xs = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
         error = velocity(dit, xs, sigma, conditions, dtype) - (noise - x0)
         loss = (weight * error.pow(2)).mean() / weight.mean()
@@ -420,7 +449,7 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1:
     vae.load_state_dict({k: v.float() for k, v in bf16_copy(vae).items()})  # the committed (bf16) weights
     timings["vae_s"] = time.perf_counter() - started
 
-    data = build_data(vae, text_encoder, sizes, rng, log)
+    data, small = build_data(vae, text_encoder, sizes, rng, log)
     null = encode_prompt(text_encoder, "")
     timings["data_s"] = time.perf_counter() - started - sum(timings.values())
 
@@ -428,7 +457,7 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1:
         save_file(dit_to_diffusers(bf16_copy(ema)), out / BASE_FILE)
 
     if stage1 is None:
-        base, stage1_loss = train_dit(data, null, sizes, log, checkpoint, dtype=dtype)
+        base, stage1_loss = train_dit(data if small is None else small, null, sizes, log, checkpoint, dtype=dtype)
         base.load_state_dict({k: v.float() for k, v in bf16_copy(base).items()})  # as its file holds them
         save_file(dit_to_diffusers(bf16_copy(base)), out / STAGE1_FILE)
     else:
@@ -460,7 +489,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=TOY_DIR, help="where the files go (default demo/toy/)")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="hour",
-                        help="hour: fits an hour on 2 cores (default); long: ~1.5 h, draws better (docs/toy-model.md)")
+                        help="hour: fits an hour on 2 cores (default); long: ~1.5 h, draws better; lowres: a 128 px "
+                             "first stage (docs/toy-model.md)")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="the DiT's compute dtype: auto = bf16 where the CPU has it natively (AVX-512), else fp32")
     parser.add_argument("--quick", action="store_true", help="a few steps of every phase (tests, smoke runs)")

@@ -149,3 +149,26 @@ def test_the_training_computes_in_bf16_only_where_the_cpu_has_it(monkeypatch):
         monkeypatch.setattr(train_toy, "native_bf16", lambda native=native: native)
         assert train_toy.compute_dtype("auto") == expected
         assert train_toy.compute_dtype("bf16") == torch.bfloat16 and train_toy.compute_dtype("fp32") == torch.float32
+
+
+def test_a_smaller_first_stage_sees_the_same_scenes_and_captions_at_its_size():
+    """`stage1_size` 128: the text-to-image examples again as 8x8 latent tokens, the same captions (the same encoded
+    prompts), the shape's tokens where the shape is; the full-size examples and the random draws are unchanged."""
+    import random
+
+    from qi21.demo import train_toy
+    from qi21.model.vae.autoencoder import QwenImage21VAE
+
+    with tempfile.TemporaryDirectory() as tmp:
+        encoder = load_text_encoder(write_tiny_checkpoints(Path(tmp))["text_encoder"], weight_dtype="fp32")
+    vae = QwenImage21VAE(toy_model.TOY_VAE).eval()
+    sizes = dict(train_toy.QUICK, t2i=6, two_shape=2, edits=1, stage1_size=256)
+    full, none = train_toy.build_data(vae, encoder, sizes, random.Random(0), log=lambda line: None)
+    data, small = train_toy.build_data(vae, encoder, dict(sizes, stage1_size=128), random.Random(0), lambda line: None)
+    assert none is None and len(data) == len(full) == 9 and len(small) == 8
+    for (c, t, kind, shape), (c_full, t_full, _, shape_full) in zip(small, data):
+        assert kind == "t2i" and c is c_full and t.shape == (64, 64) and t_full.shape == (256, 64)
+        pooled = torch.nn.functional.max_pool2d(shape_full.view(1, 16, 16), 2).flatten()
+        assert shape.sum() > 0 and bool((shape <= pooled).all())  # the shape sits where it sits at full size
+    for a, b in zip(full, data):
+        assert torch.equal(a[1], b[1]) and torch.equal(a[3], b[3]) and a[2] == b[2]
