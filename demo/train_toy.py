@@ -87,7 +87,8 @@ STAGE1_FILE = "transformer_base_stage1.safetensors"
 _SHARED = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, high=0.5, shape_weight=3.0,
                stage1_size=SIZE)
 RECIPES = {
-    # the default: the hour on 2 cores (3,504 s measured; 80% / 80% at cfg 1)
+    # the default: the hour on 2 AVX-512 cores in bf16 (3,504 s measured; 80% / 80% at cfg 1); on 2 AVX2
+    # cores in fp32 its DiT steps alone take ~70 min (0.8 s each)
     "hour": dict(_SHARED, dit1_steps=3400, dit1_lr=1.2e-3, dit2_steps=1800, dit2_lr=8e-4, turbo_paths=128,
                  turbo_steps=400, batch=8),
     # half again as long (~89 minutes), and it draws better (90% / 90% at cfg 1)
@@ -489,8 +490,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=TOY_DIR, help="where the files go (default demo/toy/)")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="hour",
-                        help="hour: fits an hour on 2 cores (default); long: ~1.5 h, draws better; lowres: a 128 px "
-                             "first stage (docs/toy-model.md)")
+                        help="hour: fits an hour on 2 AVX-512 cores (default); long: ~1.5 h, draws better; lowres: a "
+                             "128 px first stage (docs/toy-model.md)")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="the DiT's compute dtype: auto = bf16 where the CPU has it natively (AVX-512), else fp32")
     parser.add_argument("--quick", action="store_true", help="a few steps of every phase (tests, smoke runs)")
