@@ -245,9 +245,9 @@ def build_data(vae, text_encoder, sizes: dict, rng: random.Random, log) -> tuple
                   shape_tokens((image, s.background))) for s, image, t in zip(chunk, images, targets)]
         data += added
         if small is not None:  # the same scenes and captions, smaller
-            images = torch.stack([small_pixels(image, sizes["stage1_size"]) for image in drawn])
+            shrunk = torch.stack([small_pixels(image, sizes["stage1_size"]) for image in drawn])
             small += [(c, t, kind, shape_tokens((image, s.background)))
-                      for (c, _, kind, _), s, image, t in zip(added, chunk, images, encode_latents(vae, images))]
+                      for (c, _, kind, _), s, image, t in zip(added, chunk, shrunk, encode_latents(vae, shrunk))]
     log(f"data: {len(scenes)} text-to-image scenes, {len(captions)} distinct captions")
     edits = [random_edit(rng) for _ in range(sizes["edits"])]
     for start in range(0, len(edits), 256):
@@ -450,7 +450,8 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1:
     vae.load_state_dict({k: v.float() for k, v in bf16_copy(vae).items()})  # the committed (bf16) weights
     timings["vae_s"] = time.perf_counter() - started
 
-    data, small = build_data(vae, text_encoder, sizes, rng, log)
+    # a stage 1 loaded from its file needs no smaller pictures (the random draws are the same either way)
+    data, small = build_data(vae, text_encoder, sizes if stage1 is None else dict(sizes, stage1_size=SIZE), rng, log)
     null = encode_prompt(text_encoder, "")
     timings["data_s"] = time.perf_counter() - started - sum(timings.values())
 
