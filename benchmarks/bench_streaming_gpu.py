@@ -114,7 +114,7 @@ def main(argv=None) -> list[dict]:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run with --dry-run on a CPU (the GPU measurements need a GPU).")
-        device, dtype, config = torch.device("cuda"), torch.bfloat16, DiTConfig()
+        device, dtype, config = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, DiTConfig()
     itemsize = torch.empty((), dtype=dtype).element_size()
     model = random_model(config, device, dtype)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

@@ -8,9 +8,12 @@ On a GPU (bf16, the released width, 1024x1024 targets, references of 1024x1024) 
 - `formats`: int8 ConvRot, fp8, W4A8 (comfy-kitchen's kernels), GGUF Q8_0 and Q4_K, a LoRA: each model against a
   plain bf16 model holding its own dequantized (and merged) weights, and its prefill / cached step next to
   diffusers' bf16 (`--format-layers` blocks at full width: files are written and read, so not all 32);
+- `drift`: the cached velocity in bf16 against fp32 on the same weights, ours and diffusers' (what the `bf16`
+  section's difference between the two is read against: random weights amplify rounding with depth);
 - `planner`: the planner's predicted device peak per phase (prefill, cached step, decode) against
-  `torch.cuda.max_memory_allocated` around each;
+  `torch.cuda.max_memory_allocated` around each, and a decode's peak at three sizes, one pass and tiled;
 - `cache`: the host-side prefix cache against the device one (same latents? seconds per step);
+- `cache_quant`: the int8 / int4 prefix cache: a cached step's time and its velocity against the model-dtype cache;
 - `e2e`: whole images, 40-step Base and 8-step Turbo, sampling and VAE decode (random weights, text states given:
   the text encoder is not run);
 - `host`: per cached step (1 reference), ours and diffusers': the kernels it launches, the host's time to issue them
@@ -21,7 +24,7 @@ On a GPU (bf16, the released width, 1024x1024 targets, references of 1024x1024) 
 Each section has a time budget it is sized for (`BUDGET_S`); one that fails is reported with its error and the run goes
 on, so one call gives every result. `--sections` picks some; `--json` also writes the rows.
 
-    python benchmarks/gpu_check.py                  # on the GPU: about 8 minutes, one call
+    python benchmarks/gpu_check.py                  # on an H200: about 4 minutes, one call
     python benchmarks/gpu_check.py --dry-run        # CPU, tiny widths, every path reached (CI runs this)
 
 `--dry-run` runs the same code on the CPU with a 2-block, 256-wide model at 128x128: no number it prints says anything
@@ -29,6 +32,7 @@ about a GPU (measured peaks print "n/a (CPU)"); it checks that every path runs a
 """
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -39,22 +43,23 @@ import torch
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from gpu_check_common import Check, dit_calls, gib, rel_diff, table
-from qi21.model.memory.estimate import GIB, VAEShape
+from qi21.model.memory.estimate import GIB, VAEShape, decode_transient
 from qi21.model.memory.planner import Budget, RunShape, plan_run
 from qi21.model.memory.streaming import StreamedRun
 from qi21.model.memory.weights import dit_weights
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import base_sigmas, turbo_sigmas
+from qi21.model.transformer.cache_storage import cache_storage
 from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
 from qi21.model.transformer.prefix_cache import PrefixKVCache
-from qi21.model.vae.autoencoder import QwenImage21VAE, QwenImage21VAEConfig
+from qi21.model.vae.autoencoder import QwenImage21VAE, QwenImage21VAEConfig, VAETiling
 from qi21.model.vae.latents import RELEASED_LATENT_FORMAT
 
-SECTIONS = ("streaming", "bf16", "formats", "planner", "cache", "e2e", "host", "compiled")
-#: seconds each section is sized for on an H200 (the whole run: about 8 minutes before `compiled`, whose two cold
-#: compiles of the 32-block model are not measured yet; 120 s is a guess)
-BUDGET_S = {"streaming": 90, "bf16": 60, "formats": 150, "planner": 30, "cache": 30, "e2e": 60, "host": 20,
-            "compiled": 120}
+SECTIONS = ("streaming", "bf16", "drift", "formats", "planner", "cache", "cache_quant", "e2e", "host", "compiled")
+#: seconds each section is sized for on an H200: about twice what each took there on 2026-12-04 (torch 2.11; 14, 38,
+#: 27, 44, 20, 4, -, 7, 5 and 34 s, cold compiles included; cache_quant was added after that run)
+BUDGET_S = {"streaming": 60, "bf16": 60, "drift": 60, "formats": 90, "planner": 40, "cache": 20, "cache_quant": 30,
+            "e2e": 30, "host": 20, "compiled": 60}
 #: the dry run's model: two blocks, heads of 128 (RoPE's 16/56/56), inputs a multiple of 256 (ConvRot, Q4_K)
 DRY_DIT = DiTConfig(num_layers=2, num_heads=2, head_dim=128, context_in_dim=256, mlp_ratio=3)
 DRY_VAE = QwenImage21VAEConfig(base_dim=4, decoder_base_dim=6)
@@ -89,6 +94,46 @@ def section_bf16(check: Check) -> list[dict]:
           [[r["references"], r["prefix"], f"{r['ours prefill']:.1f} / {r['diffusers prefill']:.1f}",
             f"{r['ours cached']:.1f} / {r['diffusers cached']:.1f}",
             f"{r['ours cached'] / r['diffusers cached']:.3f}", f"{r['rel_diff_cached']:.2e}"] for r in rows])
+    return rows
+
+
+def section_drift(check: Check) -> list[dict]:
+    """How far bf16 moves the cached velocity from the same weights in fp32, ours and diffusers' alike: the yardstick
+    the bf16 section's difference between the two is read against (random weights amplify rounding with depth)."""
+    from gpu_check_common import random_pair
+
+    check.release()
+    # built in fp32 with bf16-valued weights: building in bf16 would also round diffusers' fp32 timestep-frequency
+    # buffer, and the fp32 pass would no longer be the truth
+    reference, ours = random_pair(check.config, check.config.num_layers, check.device, torch.float32)
+    with torch.no_grad():
+        for param in [*reference.parameters(), *ours.parameters()]:
+            param.copy_(param.to(torch.bfloat16))
+    _, prefix, target, kwargs = check.case(1)
+    velocities = {}
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):  # the same weights either way: only the arithmetic moves
+            reference.to(dtype)
+            ours.to(dtype)
+            ours.compute_dtype = dtype
+            cast = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+            on = dict(text=prefix.text.to(dtype),
+                      references=None if prefix.references is None else prefix.references.to(dtype))
+            calls = dit_calls(check, reference, ours, type(prefix)(layout=prefix.layout, **on), target.to(dtype), cast)
+            calls[0](), calls[2]()  # prefill both caches
+            velocities["ours", dtype], velocities["diffusers", dtype] = calls[1]().float(), calls[3]().float()
+    del reference, ours
+    check.release()
+    truth = velocities["ours", torch.float32]
+    rows = [{"pair": name, "rel_diff": rel_diff(velocities[key], truth)} for name, key in
+            (("diffusers fp32 vs ours fp32", ("diffusers", torch.float32)),
+             ("ours bf16 vs ours fp32", ("ours", torch.bfloat16)),
+             ("diffusers bf16 vs ours fp32", ("diffusers", torch.bfloat16)))]
+    rows.append({"pair": "ours bf16 vs diffusers bf16",
+                 "rel_diff": rel_diff(velocities["ours", torch.bfloat16], velocities["diffusers", torch.bfloat16])})
+    table(f"drift: the cached velocity in bf16 against fp32 on the same (bf16-valued) weights "
+          f"({check.config.num_layers} blocks, 1 reference, {check.size}x{check.size})",
+          ["pair", "relative difference"], [[r["pair"], f"{r['rel_diff']:.2e}"] for r in rows])
     return rows
 
 
@@ -155,6 +200,30 @@ def section_planner(check: Check) -> list[dict]:
            for r in rows])
     print("measured: the step's own peak above what was allocated before it, plus what the phase holds (the DiT's "
           "weights, and in the cached step the prefix cache it reads; the VAE's weights for the decode)")
+    return rows + decode_sizes(check, vae)
+
+
+def decode_sizes(check: Check, vae: QwenImage21VAE) -> list[dict]:
+    """The decode's own peak by image size, one pass and tiled, against the planner's `decode_transient`: whether
+    the planner's per-pixel figure holds on this device (it was measured on a CPU)."""
+    shape = VAEShape.of(vae)
+    sides = (64, 128, 256) if check.dry_run else (512, 1024, 2048)
+    rows = []
+    with torch.inference_mode():
+        for side, tiled in [(side, False) for side in sides] + [(sides[-1], True)]:
+            grid = (side // 16, side // 16)
+            latents = torch.randn(1, vae.config.z_dim, *grid, device=check.device, dtype=check.dtype)
+            tiling = VAETiling(tile=max(2, grid[0] // 2), overlap=max(1, grid[0] // 8))  # 4 tiles and more
+            _, peak = check.peak(lambda: vae.decode(latents, tiled=tiled, tiling=tiling))  # noqa: B023
+            predicted = decode_transient(dataclasses.replace(shape, tiling=tiling), 1, grid, tiled)
+            rows.append({"phase": f"decode {side}x{side} {'tiled' if tiled else 'one pass'}",
+                         "predicted_gib": predicted / GIB, "measured_gib": None if peak is None else peak / GIB})
+    table("planner: a decode's own peak by size (GiB; above the VAE's weights)",
+          ["decode", "predicted", "measured", "measured / predicted"],
+          [[r["phase"], f"{r['predicted_gib']:.3f}",
+            "n/a (CPU)" if r["measured_gib"] is None else f"{r['measured_gib']:.3f}",
+            "n/a (CPU)" if r["measured_gib"] is None else f"{r['measured_gib'] / r['predicted_gib']:.3f}"]
+           for r in rows])
     return rows
 
 
@@ -182,6 +251,36 @@ def section_cache(check: Check) -> list[dict]:
           ["cache", "prefill s", "s / cached step", "vs device", "bit-identical", "max abs diff"],
           [[r["cache"], r["prefill_seconds"], r["step_seconds"], f"{r['step_seconds'] / rows[0]['step_seconds']:.3f}",
             r["bit_identical"], f"{r['max_abs_diff']:.3g}"] for r in rows])
+    return rows
+
+
+def section_cache_quant(check: Check) -> list[dict]:
+    """The int8 / int4 prefix cache (issue 32) on this device: a cached step's time and how far its velocity moves
+    from the model-dtype cache, 1 and 2 references."""
+    ours = our_model(check)
+    t_fill, t_step = torch.tensor([1.0], device=check.device), torch.tensor([0.5], device=check.device)
+    rows = []
+    with torch.inference_mode():
+        for refs in (1, 2):
+            _, prefix, target, _ = check.case(refs)
+            caches, calls = {}, {}
+            for storage in ("default", "int8", "int4"):
+                cache = caches[storage] = PrefixKVCache()
+                cache.storage = cache_storage(storage)
+                ours(target, t_fill, [prefix], cache=cache, mode="prefill")
+                calls[storage] = lambda c=cache, x=target, p=prefix: ours(x, t_step, [p], cache=c, mode="cached")
+            plain = calls["default"]()
+            for storage, call in calls.items():
+                rows.append({"references": refs, "cache": storage, "ms": check.median_ms(call),
+                             "bytes": caches[storage].nbytes, "rel_diff": rel_diff(call(), plain)})
+            for cache in caches.values():
+                cache.free()
+    base = {r["references"]: r for r in rows if r["cache"] == "default"}
+    table(f"cache_quant: the int8 / int4 prefix cache, one cached step ({ours.config.num_layers} blocks, "
+          f"{check.size}x{check.size}, ms)",
+          ["refs", "cache", "ms per step", "vs model-dtype cache", "cache MiB", "rel. diff vs model-dtype cache"],
+          [[r["references"], r["cache"], f"{r['ms']:.1f}", f"{r['ms'] / base[r['references']]['ms']:.3f}",
+            f"{r['bytes'] / 2**20:.1f}", f"{r['rel_diff']:.2e}"] for r in rows])
     return rows
 
 
@@ -240,9 +339,9 @@ def section_host(check: Check) -> list[dict]:
     return rows
 
 
-RUNNERS = {"streaming": section_streaming, "bf16": section_bf16, "formats": section_formats,
-           "planner": section_planner, "cache": section_cache, "e2e": section_e2e, "host": section_host,
-           "compiled": section_compiled}
+RUNNERS = {"streaming": section_streaming, "bf16": section_bf16, "drift": section_drift, "formats": section_formats,
+           "planner": section_planner, "cache": section_cache, "cache_quant": section_cache_quant,
+           "e2e": section_e2e, "host": section_host, "compiled": section_compiled}
 
 
 def main(argv=None) -> dict:

@@ -26,8 +26,18 @@ def test_the_dry_run_reaches_every_path_and_every_path_matches(gpu_check, capsys
     for name, row in formats.items():  # fp32 on a CPU: every format dequantized per layer, equal to its twin
         assert name == "diffusers bf16" or row["rel_diff_vs_twin"] <= 1e-5, (name, row)
     assert all(r["rel_diff_cached"] <= 1e-5 for r in results["bf16"]["rows"])  # fp32: ours == diffusers
-    assert [r["measured_gib"] for r in results["planner"]["rows"]] == [None, None, None]
-    assert [r["phase"] for r in results["planner"]["rows"]] == ["prefill", "cached", "decode"]
+    assert [r["measured_gib"] for r in results["planner"]["rows"]] == [None] * 7
+    assert [r["phase"] for r in results["planner"]["rows"]] == [
+        "prefill", "cached", "decode", "decode 64x64 one pass", "decode 128x128 one pass", "decode 256x256 one pass",
+        "decode 256x256 tiled"]
+    quant = {(r["references"], r["cache"]): r for r in results["cache_quant"]["rows"]}
+    assert set(quant) == {(refs, c) for refs in (1, 2) for c in ("default", "int8", "int4")}
+    for refs in (1, 2):  # smaller caches that move the velocity a little, int4 more than int8
+        assert quant[refs, "int4"]["bytes"] < quant[refs, "int8"]["bytes"] < quant[refs, "default"]["bytes"]
+        assert 0 < quant[refs, "int8"]["rel_diff"] < quant[refs, "int4"]["rel_diff"] < 0.05
+    drift = {r["pair"]: r["rel_diff"] for r in results["drift"]["rows"]}
+    assert drift["diffusers fp32 vs ours fp32"] <= 1e-5  # the fp32 truth is one number for both
+    assert drift["ours bf16 vs ours fp32"] > 1e-3 and drift["diffusers bf16 vs ours fp32"] > 1e-3  # bf16 did run
     assert [r["run"] for r in results["e2e"]["rows"]] == ["Base, 40 steps", "Turbo, 8 steps"]
     assert all(r["finite"] for r in results["e2e"]["rows"])
     host = {r["side"]: r for r in results["host"]["rows"]}

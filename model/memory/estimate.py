@@ -51,9 +51,11 @@ def estimate_run(config: DiTConfig, prefix_tokens: list[int], target_tokens: int
     return RunEstimate(latents, cache if prefix_cache else 0, step, rows)
 
 
-#: The decoder holds about 5 x its full-resolution width values per output pixel at its peak (its 2x -> 1x
-#: stage): 720 for the released 144 (VAETiling's measured figure); the encoder about 4 x its width per input pixel.
-DECODE_VALUES_PER_BASE_CHANNEL = 5
+#: A decode's peak above the VAE's weights, in values per output pixel per full-resolution channel: 9 x the
+#: released 144, as measured on an H200 in bf16 (benchmarks/gpu_check.py, planner section: 0.63 / 2.53 / 10.13 GiB
+#: at 512 / 1024 / 2048 px, proportional to the pixels; a CPU holds ~5 x, the convolutions' buffers differ). The
+#: encoder about 4 x its width per input pixel (CPU-measured).
+DECODE_VALUES_PER_BASE_CHANNEL = 9
 
 
 

@@ -65,13 +65,13 @@ class QwenImage21VAEConfig:
 class VAETiling:
     """How large images are split. All sizes are in latent cells (16 px each at the released compression).
 
-    Measured activation peaks of one pass (released widths): the decoder holds ~720 values per output pixel
-    at once (its 2x->1x stage), the encoder ~385 per input pixel. A 64-cell tile is 1024x1024 px, so ~1.5 GiB
-    of bf16 decoder activations: one tile fits next to a resident DiT on a 12 GiB card. The 16-cell (256 px)
+    Measured activation peaks of one pass (released widths): a decode holds ~1,300 values per output pixel on
+    a GPU (~720 on a CPU), the encoder ~385 per input pixel. A 64-cell tile is 1024x1024 px, so ~2.5 GiB of bf16
+    decode (measured on an H200): one tile fits next to a resident DiT on a 16 GiB card. The 16-cell (256 px)
     overlap is wide compared with the damage a tile edge does (zero padding where the image continues, and
     a mid-block attention that sees only its tile): blending drops the outer quarter of each overlap and
     ramps linearly across the middle half, so no output pixel leans on a tile edge. `auto_above` is where
-    `tiled=None` starts tiling: 96x96 cells = 1536x1536 px (~3.4 GiB bf16 decode), so the usual 1-2 MP
+    `tiled=None` starts tiling: 96x96 cells = 1536x1536 px (~5.7 GiB bf16 decode on a GPU), so the usual 1-2 MP
     outputs decode in one pass, exactly as the reference does.
     """
 
