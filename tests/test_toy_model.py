@@ -172,3 +172,18 @@ def test_a_smaller_first_stage_sees_the_same_scenes_and_captions_at_its_size():
         assert shape.sum() > 0 and bool((shape <= pooled).all())  # the shape sits where it sits at full size
     for a, b in zip(full, data):
         assert torch.equal(a[1], b[1]) and torch.equal(a[3], b[3]) and a[2] == b[2]
+
+
+def test_a_stage_can_draw_a_given_share_of_edits():
+    """`edit_share{stage}`: that share of a batch from the edits, the rest from the text-to-image examples; without
+    it the draw is the plain uniform one the `hour` and `long` recipes were measured with."""
+    from qi21.demo import train_toy
+
+    data = [(None, None, "t2i" if i % 4 else "recolour", None) for i in range(40)]  # a quarter edits
+    generator = torch.Generator().manual_seed(1)
+    picks = [i for _ in range(300) for i in train_toy.draw_examples(data, 8, generator, 0.75)]
+    share = sum(data[i][2] != "t2i" for i in picks) / len(picks)
+    assert 0.7 < share < 0.8 and len(set(picks)) == 40  # every example still drawn
+    uniform = train_toy.draw_examples(data, 8, torch.Generator().manual_seed(2))
+    assert uniform == torch.randint(40, (8,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert train_toy.RECIPES["edits"]["edit_share2"] == 0.5 and "edit_share2" not in train_toy.RECIPES["hour"]
