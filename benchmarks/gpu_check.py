@@ -205,7 +205,7 @@ def section_planner(check: Check) -> list[dict]:
 
 def decode_sizes(check: Check, vae: QwenImage21VAE) -> list[dict]:
     """The decode's own peak by image size, one pass and tiled, against the planner's `decode_transient`: whether
-    the planner's per-pixel figure holds on this device (it was measured on a CPU)."""
+    the planner's per-pixel figure (set from an H200 run; a CPU holds less) holds on this device."""
     shape = VAEShape.of(vae)
     sides = (64, 128, 256) if check.dry_run else (512, 1024, 2048)
     rows = []

@@ -67,7 +67,7 @@ class VAETiling:
 
     Measured activation peaks of one pass (released widths): a decode holds ~1,300 values per output pixel on
     a GPU (~720 on a CPU), the encoder ~385 per input pixel. A 64-cell tile is 1024x1024 px, so ~2.5 GiB of bf16
-    decode (measured on an H200): one tile fits next to a resident DiT on a 16 GiB card. The 16-cell (256 px)
+    decode (measured on an H200; 3.2 GiB with the VAE's weights). The 16-cell (256 px)
     overlap is wide compared with the damage a tile edge does (zero padding where the image continues, and
     a mid-block attention that sees only its tile): blending drops the outer quarter of each overlap and
     ramps linearly across the middle half, so no output pixel leans on a tile edge. `auto_above` is where
