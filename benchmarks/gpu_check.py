@@ -117,9 +117,9 @@ def section_drift(check: Check) -> list[dict]:
             ours.to(dtype)
             ours.compute_dtype = dtype
             cast = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
-            on = dict(text=prefix.text.to(dtype),
-                      references=None if prefix.references is None else prefix.references.to(dtype))
-            calls = dit_calls(check, reference, ours, type(prefix)(layout=prefix.layout, **on), target.to(dtype), cast)
+            cast_prefix = dataclasses.replace(prefix, text=prefix.text.to(dtype),
+                                              references=prefix.references.to(dtype))  # case(1): one reference
+            calls = dit_calls(check, reference, ours, cast_prefix, target.to(dtype), cast)
             calls[0](), calls[2]()  # prefill both caches
             velocities["ours", dtype], velocities["diffusers", dtype] = calls[1]().float(), calls[3]().float()
     del reference, ours
@@ -214,7 +214,7 @@ def decode_sizes(check: Check, vae: QwenImage21VAE) -> list[dict]:
             grid = (side // 16, side // 16)
             latents = torch.randn(1, vae.config.z_dim, *grid, device=check.device, dtype=check.dtype)
             tiling = VAETiling(tile=max(2, grid[0] // 2), overlap=max(1, grid[0] // 8))  # 4 tiles and more
-            _, peak = check.peak(lambda: vae.decode(latents, tiled=tiled, tiling=tiling))  # noqa: B023
+            _, peak = check.peak(lambda z=latents, t=tiled, tiles=tiling: vae.decode(z, tiled=t, tiling=tiles))
             predicted = decode_transient(dataclasses.replace(shape, tiling=tiling), 1, grid, tiled)
             rows.append({"phase": f"decode {side}x{side} {'tiled' if tiled else 'one pass'}",
                          "predicted_gib": predicted / GIB, "measured_gib": None if peak is None else peak / GIB})

@@ -323,14 +323,19 @@ def velocity(dit, x, sigma, conditions, dtype: torch.dtype = torch.bfloat16):
     return out.float()
 
 
-def draw_examples(data, batch: int, generator, edit_share: float | None = None) -> list[int]:
+def example_pools(data) -> tuple[list[int], list[int]]:
+    """(indices of the edit pairs, indices of the text-to-image examples) in `data`: built once per stage."""
+    edits = [i for i, example in enumerate(data) if example[2] != "t2i"]
+    return edits, [i for i, example in enumerate(data) if example[2] == "t2i"]
+
+
+def draw_examples(data, batch: int, generator, edit_share: float | None = None, pools=None) -> list[int]:
     """`batch` indices into `data`, uniform over it; with `edit_share`, that share (on average) drawn from the edits
     and the rest from the text-to-image examples (a stage whose text-to-image reading is learnt spends more on
-    edits than their count in the data would give them)."""
+    edits than their count in the data would give them). `pools`: `example_pools(data)`, when the caller keeps it."""
     if edit_share is None:
         return torch.randint(len(data), (batch,), generator=generator).tolist()
-    edits = [i for i, example in enumerate(data) if example[2] != "t2i"]
-    plain = [i for i, example in enumerate(data) if example[2] == "t2i"]
+    edits, plain = pools or example_pools(data)
     from_edits = (torch.rand(batch, generator=generator) < edit_share).tolist()
     picks = torch.randint(2**31 - 1, (batch,), generator=generator).tolist()
     return [(edits if e else plain)[k % len(edits if e else plain)] for e, k in zip(from_edits, picks)]
@@ -356,10 +361,12 @@ def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1, sta
     ema = copy.deepcopy(dit).requires_grad_(False)
     opt = torch.optim.AdamW(dit.parameters(), lr=peak, betas=(0.9, 0.99), weight_decay=0.0)
     losses = []
+    edit_share = sizes.get(f"edit_share{stage}")
+    pools = None if edit_share is None else example_pools(data)
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = cosine(step, steps, peak, 100 if stage == 1 else 50)
-        pick = draw_examples(data, batch, generator, sizes.get(f"edit_share{stage}"))
+        pick = draw_examples(data, batch, generator, edit_share, pools)
         drop = (torch.rand(batch, generator=generator) < 0.1).tolist()
         conditions = [null if d and data[i][2] == "t2i" else data[i][0] for i, d in zip(pick, drop)]
         x0 = torch.stack([data[i][1] for i in pick])
