@@ -29,11 +29,13 @@ the files bit for bit; another thread count changes the float sums and so the fi
    split their row buffer once (not a slice per prompt) and the target rows attend to concatenated keys (the
    CPU kernel's log-sum-exp merge has no gradient): tests/test_training_gradients.py checks the derivative. Two
    stages (`RECIPES`): new weights, then more steps from stage 1's EMA (a fresh optimizer and warm-up). Stage 1 may
-   train on the text-to-image scenes box-downscaled to `stage1_size` (128 px: 8x8 latent tokens; an edit's
-   reference cannot shrink below the VLM's 256 px, so edits wait for stage 2): the image rows' rotary ids are
-   zero-centred, so a side is the same sign at both sizes, and a step costs ~0.3 of a full one. `hour`
-   (the default) takes 3,400 + 1,800 steps of 8, `long` 3,000 + 1,500 of 16; docs/toy-model.md has what each
-   drew (the asked colour and side for 80% of held-out prompts at cfg 1 after `hour`, 90% after `long`). The
+   train on the text-to-image scenes box-downscaled to `stage1_size` (128 px: 8x8 latent tokens), and with
+   `small_edits` on the edits too: the VLM still reads the 256 px reference (its minimum), the DiT gets the
+   reference's 128 px latents in the first slots of that reading (`shrunk_reference`). The image rows' rotary ids
+   are zero-centred, so a side is the same sign at both sizes, and a step costs ~0.3 of a full one. `hour`
+   (the default) takes 3,400 + 1,800 steps of 8, `long` 3,000 + 1,500 of 16, `lowedits` 3,400 at 128 px with
+   edits + 1,000 (the hour on AVX2 cores in fp32); docs/toy-model.md has what each drew (the asked colour and side
+   for 80% of held-out prompts at cfg 1 after `hour`, 90% after `long`, 75% after `lowedits`). The
    committed files are older: commit 2b27f68's script made them (2,000 + 2,400 steps of 16, before the gradient
    was mended); docs/toy-model.md says why they stay.
 4. **Turbo**: a copy distilled onto the stored 8 sigmas: the Base model's many-step Euler trajectories between
@@ -68,13 +70,14 @@ if __name__ == "__main__" and not (__package__ or "").endswith(".demo"):
 
     sys.exit(importlib.import_module(f"{import_pack().__name__}.demo.train_toy").main())
 
+from ..model.encoders.conditioning import Conditioning
 from ..model.encoders.pipeline import encode_prepared, encode_prompt
 from ..model.encoders.references import prepare_reference
 from ..model.loaders.text_encoder import load_text_encoder
 from ..model.sampling.schedule import TURBO_SIGMAS, schedule_mu
 from ..model.transformer.dit import PrefixInputs, QwenImage21DiT
 from ..model.vae.autoencoder import QwenImage21VAE
-from ..model.vae.latents import RELEASED_LATENT_FORMAT
+from ..model.vae.latents import LATENT_TOKENS_PER_SLOT, RELEASED_LATENT_FORMAT
 from .tiny_checkpoints import diffusers_to_dit, dit_to_diffusers, vae_to_diffusers, write_tiny_checkpoints
 from .toy_data import SIZE, Scene, random_edit, random_scene
 from .toy_model import BASE_FILE, LOG_FILE, TOY_DIR, TOY_DIT, TOY_VAE, TURBO_FILE, VAE_FILE
@@ -102,10 +105,16 @@ RECIPES = {
     # from scratch on 2 AVX2 cores in fp32, 72% of prompts / 45% of edits at cfg 1 (edits up, prompts down)
     "edits": dict(_SHARED, stage1_size=128, dit1_steps=3000, dit1_lr=1.2e-3, dit2_steps=1200, dit2_lr=8e-4,
                   edit_share2=0.5, turbo_paths=128, turbo_steps=300, batch=8),
+    # lowres with the edits in the 128 px stage too (their reference at 128 px, the VLM's reading of it at 256:
+    # `shrunk_reference`), 40% of each batch edits in both stages: 58.4 min from scratch on 2 AVX2 cores in fp32,
+    # 75% of prompts / 65% of edits at cfg 1
+    "lowedits": dict(_SHARED, stage1_size=128, small_edits=True, dit1_steps=3400, dit1_lr=1.2e-3, edit_share1=0.4,
+                     dit2_steps=1000, dit2_lr=8e-4, edit_share2=0.4, turbo_paths=128, turbo_steps=300, batch=8),
 }
-# (its stage 1 is the smaller one and its stage 2 draws half edits: the determinism test then covers them)
+# (its stage 1 is the smaller one with edits, both stages draw half edits: the determinism test covers them)
 QUICK = dict(_SHARED, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
-             dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2, stage1_size=128, edit_share2=0.5)
+             dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2, stage1_size=128, small_edits=True,
+             edit_share1=0.5, edit_share2=0.5)
 HIGH_SIGMAS = (0.85, 1.0)
 #: The DiT's compute dtype (`--precision`): auto is bf16 on CPUs with native bf16 (AVX-512, AMX), else fp32.
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -254,17 +263,41 @@ def build_data(vae, text_encoder, sizes: dict, rng: random.Random, log) -> tuple
                       for (c, _, kind, _), s, image, t in zip(added, chunk, shrunk, encode_latents(vae, shrunk))]
     log(f"data: {len(scenes)} text-to-image scenes, {len(captions)} distinct captions")
     edits = [random_edit(rng) for _ in range(sizes["edits"])]
+    small_edits = small is not None and sizes.get("small_edits", False)
     for start in range(0, len(edits), 256):
         chunk = edits[start : start + 256]
-        images = torch.stack([pixels(e.target.render()) for e in chunk])
+        drawn = [e.target.render() for e in chunk]
+        images = torch.stack([pixels(image) for image in drawn])
         targets = encode_latents(vae, images)
-        for edit, image, target in zip(chunk, images, targets):
-            source = prepare_reference(edit.source.render(), resolution=0)
+        for edit, image, target, target_image in zip(chunk, images, targets, drawn):
+            source_image = edit.source.render()
+            source = prepare_reference(source_image, resolution=0)
             reference = encode_prepared(vae, source)
-            data.append((encode_prompt(text_encoder, edit.instruction, [reference]), target, edit.kind,
+            condition_full = encode_prompt(text_encoder, edit.instruction, [reference])
+            data.append((condition_full, target, edit.kind,
                          shape_tokens((source.pixels[0], edit.source.background), (image, edit.target.background))))
-    log(f"data: {len(edits)} edit pairs")
+            if small_edits:
+                side = sizes["stage1_size"]
+                source_small, target_small = (small_pixels(i, side) for i in (source_image, target_image))
+                latents = encode_latents(vae, torch.stack([source_small, target_small]))
+                small.append((shrunk_reference(condition_full, latents[0], side // 16), latents[1], edit.kind,
+                              shape_tokens((source_small, edit.source.background),
+                                           (target_small, edit.target.background))))
+    log(f"data: {len(edits)} edit pairs" + (f", also at {sizes['stage1_size']} px" if small_edits else ""))
     return data, small
+
+
+def shrunk_reference(condition: Conditioning, tokens: torch.Tensor, side: int) -> Conditioning:
+    """An edit's conditioning with its one reference at `side x side` latent tokens (a smaller picture) instead of
+    the size the VLM saw (the 256 px the VLM needs at least): the VLM's reading of the picture stays, and only the
+    reference's slots shrink to fit the smaller latents. A slot's own text state is never used (the DiT puts the
+    reference's latent tokens there), so the surplus slots are dropped and the text around them kept as it is."""
+    slots = condition.image_slots
+    keep_slots = side * side // LATENT_TOKENS_PER_SLOT
+    surplus = slots & (slots.cumsum(0) > keep_slots)  # the slots past the first `keep_slots`
+    keep = ~surplus
+    return Conditioning(text=condition.text[keep], image_slots=slots[keep], references=tokens,
+                        ref_shapes=((side, side),), latent_format=condition.latent_format)
 
 
 # -- 3. DiT ----------------------------------------------------------------------------------------------------
@@ -516,7 +549,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=TOY_DIR, help="where the files go (default demo/toy/)")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="hour",
                         help="hour: fits an hour on 2 AVX-512 cores (default); long: ~1.5 h, draws better; lowres: a "
-                             "128 px first stage; edits: lowres with more edits in stage 2 (docs/toy-model.md)")
+                             "128 px first stage; edits: lowres with more edits in stage 2; lowedits: edits in the "
+                             "128 px stage too, fits an hour on 2 AVX2 cores (docs/toy-model.md)")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="the DiT's compute dtype: auto = bf16 where the CPU has it natively (AVX-512), else fp32")
     parser.add_argument("--quick", action="store_true", help="a few steps of every phase (tests, smoke runs)")

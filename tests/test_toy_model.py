@@ -162,7 +162,7 @@ def test_a_smaller_first_stage_sees_the_same_scenes_and_captions_at_its_size():
     with tempfile.TemporaryDirectory() as tmp:
         encoder = load_text_encoder(write_tiny_checkpoints(Path(tmp))["text_encoder"], weight_dtype="fp32")
     vae = QwenImage21VAE(toy_model.TOY_VAE).eval()
-    sizes = dict(train_toy.QUICK, t2i=6, two_shape=2, edits=1, stage1_size=256)
+    sizes = dict(train_toy.QUICK, t2i=6, two_shape=2, edits=1, stage1_size=256, small_edits=False)
     full, none = train_toy.build_data(vae, encoder, sizes, random.Random(0), log=lambda line: None)
     data, small = train_toy.build_data(vae, encoder, dict(sizes, stage1_size=128), random.Random(0), lambda line: None)
     assert none is None and len(data) == len(full) == 9 and len(small) == 8
@@ -172,6 +172,31 @@ def test_a_smaller_first_stage_sees_the_same_scenes_and_captions_at_its_size():
         assert shape.sum() > 0 and bool((shape <= pooled).all())  # the shape sits where it sits at full size
     for a, b in zip(full, data):
         assert torch.equal(a[1], b[1]) and torch.equal(a[3], b[3]) and a[2] == b[2]
+
+
+def test_a_smaller_first_stage_can_hold_the_edits_with_a_smaller_reference():
+    """`small_edits`: an edit again at 128 px, its reference as 8x8 latent tokens in the slots of the VLM's reading
+    of the 256 px picture (the surplus slots dropped, every text state kept as it was), so the DiT lays it out."""
+    import random
+
+    from qi21.demo import train_toy
+    from qi21.model.vae.autoencoder import QwenImage21VAE
+
+    with tempfile.TemporaryDirectory() as tmp:
+        encoder = load_text_encoder(write_tiny_checkpoints(Path(tmp))["text_encoder"], weight_dtype="fp32")
+    vae = QwenImage21VAE(toy_model.TOY_VAE).eval()
+    sizes = dict(train_toy.QUICK, t2i=2, two_shape=0, edits=2)
+    data, small = train_toy.build_data(vae, encoder, sizes, random.Random(0), log=lambda line: None)
+    assert len(data) == len(small) == 4
+    for (c, t, kind, shape), (c_full, t_full, kind_full, shape_full) in zip(small[2:], data[2:]):
+        assert kind == kind_full != "t2i" and t.shape == (64, 64) and t_full.shape == (256, 64)
+        pooled = torch.nn.functional.max_pool2d(shape_full.view(1, 16, 16), 2).flatten()
+        assert shape.sum() > 0 and bool((shape <= pooled).all())  # source and target shapes where they are full size
+        assert c.references.shape == (64, 64) and c.ref_shapes == ((8, 8),) and c_full.ref_shapes == ((16, 16),)
+        assert int(c.image_slots.sum()) == 16 and int(c_full.image_slots.sum()) == 64
+        assert torch.equal(c.text[~c.image_slots], c_full.text[~c_full.image_slots])  # the text as the VLM read it
+        layout = c.layout((8, 8))
+        assert layout.ref_tokens == 64 and layout.target_len == 64
 
 
 def test_a_stage_can_draw_a_given_share_of_edits():
