@@ -1,7 +1,7 @@
 """Train the toy Qwen-Image 2.1 (demo/toy_model.py) on the procedural shapes of demo/toy_data.py, on the CPU.
 
     python demo/train_toy.py            # ~1 h on 2 cores; writes demo/toy/*.safetensors + training_log.json
-    python demo/train_toy.py --recipe long   # ~1.5 h; a toy that follows its prompts more often
+    python demo/train_toy.py --recipe long   # ~1.5 h on 2 AVX-512 cores
     python demo/train_toy.py --quick    # a few steps of every phase (the determinism test runs this twice)
     python demo/train_toy.py --resume demo/toy   # the same, the VAE phase skipped (its file loaded)
     python demo/train_toy.py --resume demo/toy --stage1 FILE   # the same, the DiT's stage 1 too (its file loaded)
@@ -31,19 +31,21 @@ the files bit for bit; another thread count changes the float sums and so the fi
    stages (`RECIPES`): new weights, then more steps from stage 1's EMA (a fresh optimizer and warm-up). Stage 1 may
    train on the text-to-image scenes box-downscaled to `stage1_size` (128 px: 8x8 latent tokens), and with
    `small_edits` on the edits too: the VLM still reads the 256 px reference (its minimum), the DiT gets the
-   reference's 128 px latents in the first slots of that reading (`shrunk_reference`). The image rows' rotary ids
-   are zero-centred, so a side is the same sign at both sizes, and a step costs ~0.3 of a full one. `hour`
-   (the default) takes 3,400 + 1,800 steps of 8, `long` 3,000 + 1,500 of 16, `lowedits` 3,400 at 128 px with
-   edits + 1,000 (the hour on AVX2 cores in fp32); docs/toy-model.md has what each drew (the asked colour and side
-   for 80% of held-out prompts at cfg 1 after `hour`, 90% after `long`, 75% after `lowedits`). The
-   committed files are older: commit 2b27f68's script made them (2,000 + 2,400 steps of 16, before the gradient
-   was mended); docs/toy-model.md says why they stay.
+   reference's 128 px latents in the first slots of that reading (`shrunk_reference`), and with `full_size_ids`
+   every row of the smaller stage gets the RoPE ids of the full-size row it stands for, so the full size starts
+   from what the smaller one learnt (without them, 500 steps at 256 px after 5,200 at 128 drew 60% / 55%). A
+   128 px step costs ~0.3 of a full one. `lowids` (the default) takes 4,600 steps of 8 at 128 px + 700 at 256,
+   `hour` 3,400 + 1,800 at 256, `long` 3,000 + 1,500 of 16; docs/toy-model.md has what each drew (the asked colour
+   and side for 92% of held-out prompts and 85% of the edits at cfg 1 after `lowids`, 58.6 minutes on 2 AVX2 cores
+   in fp32; 80% / 80% after `hour`). The committed files are older: commit 2b27f68's script made them (2,000 +
+   2,400 steps of 16, before the gradient was mended); docs/toy-model.md says why they stay.
 4. **Turbo**: a copy distilled onto the stored 8 sigmas: the Base model's many-step Euler trajectories between
    each pair of stored sigmas are the targets of one student step.
 """
 
 import argparse
 import copy
+import dataclasses
 import functools
 import importlib
 import json
@@ -76,6 +78,7 @@ from ..model.encoders.references import prepare_reference
 from ..model.loaders.text_encoder import load_text_encoder
 from ..model.sampling.schedule import TURBO_SIGMAS, schedule_mu
 from ..model.transformer.dit import PrefixInputs, QwenImage21DiT
+from ..model.transformer.layout import SequenceLayout
 from ..model.vae.autoencoder import QwenImage21VAE
 from ..model.vae.latents import LATENT_TOKENS_PER_SLOT, RELEASED_LATENT_FORMAT
 from .tiny_checkpoints import diffusers_to_dit, dit_to_diffusers, vae_to_diffusers, write_tiny_checkpoints
@@ -90,8 +93,8 @@ STAGE1_FILE = "transformer_base_stage1.safetensors"
 _SHARED = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, high=0.5, shape_weight=3.0,
                stage1_size=SIZE)
 RECIPES = {
-    # the default: the issue's hour on 2 AVX-512 cores in bf16 (3,504 s measured; 80% / 80% at cfg 1); on 2 AVX2
-    # cores in fp32 its DiT steps alone take ~70 min (0.8 s each)
+    # the issue's hour on 2 AVX-512 cores in bf16 (3,504 s measured; 80% / 80% at cfg 1); on 2 AVX2 cores in fp32
+    # its DiT steps alone take ~70 min (0.8 s each)
     "hour": dict(_SHARED, dit1_steps=3400, dit1_lr=1.2e-3, dit2_steps=1800, dit2_lr=8e-4, turbo_paths=128,
                  turbo_steps=400, batch=8),
     # half again as long (~89 minutes), and it draws better (90% / 90% at cfg 1)
@@ -110,11 +113,17 @@ RECIPES = {
     # 75% of prompts / 65% of edits at cfg 1
     "lowedits": dict(_SHARED, stage1_size=128, small_edits=True, dit1_steps=3400, dit1_lr=1.2e-3, edit_share1=0.4,
                      dit2_steps=1000, dit2_lr=8e-4, edit_share2=0.4, turbo_paths=128, turbo_steps=300, batch=8),
+    # the default: lowedits with the 128 px stage at the full size's RoPE ids (`full_size_ids`), so that more of the
+    # DiT's time can go to it (4,600 steps there, 700 at 256 px) and a shorter Turbo: 58.6 min from scratch on 2
+    # AVX2 cores in fp32, 92% of prompts / 85% of edits at cfg 1 (Turbo 90% / 85%)
+    "lowids": dict(_SHARED, stage1_size=128, small_edits=True, full_size_ids=True, dit1_steps=4600, dit1_lr=1.2e-3,
+                   edit_share1=0.45, dit2_steps=700, dit2_lr=8e-4, edit_share2=0.45, turbo_paths=128,
+                   turbo_steps=150, batch=8),
 }
 # (its stage 1 is the smaller one with edits, both stages draw half edits: the determinism test covers them)
 QUICK = dict(_SHARED, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
              dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2, stage1_size=128, small_edits=True,
-             edit_share1=0.5, edit_share2=0.5)
+             edit_share1=0.5, edit_share2=0.5, full_size_ids=True)
 HIGH_SIGMAS = (0.85, 1.0)
 #: The DiT's compute dtype (`--precision`): auto is bf16 on CPUs with native bf16 (AVX-512, AMX), else fp32.
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -346,11 +355,40 @@ def compute_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
-def velocity(dit, x, sigma, conditions, dtype: torch.dtype = torch.bfloat16):
+@functools.cache
+def full_size_ids(layout: SequenceLayout, factor: int) -> SequenceLayout:
+    """`layout` (a picture and its references box-downscaled `factor` times) with the RoPE ids of the full-size
+    layout: each image row at the ids of the full-size token it summarises (rows and columns 0, f, 2f, ... of the
+    full grid: `-8, -6, ..., 6` for 8 of 16), the text after a reference and the target's frame advanced as the
+    full-size reference advances them. A smaller stage then draws a side and a size at the ids where the full size
+    draws them, instead of at ids the full size gives the middle of the picture."""
+    blocks = layout.block_ids.tolist()
+    positions, shift = [], 0
+    for row, (frame, height, width) in enumerate(layout.prefix_positions.tolist()):
+        ref = blocks[row]
+        if ref < 0:  # text: (p, p, p)
+            positions.append((frame + shift,) * 3)
+            continue
+        positions.append((frame + shift, factor * height, factor * width))
+        if row + 1 == len(blocks) or blocks[row + 1] != ref:  # the reference ends: later text moves on
+            shift += (factor - 1) * max(layout.ref_shapes[ref])
+    target = layout.target_positions.clone()
+    target[:, 0] += shift
+    target[:, 1:] *= factor
+    return dataclasses.replace(layout, prefix_positions=torch.tensor(positions, dtype=torch.long).reshape(-1, 3),
+                               target_positions=target, derived={})
+
+
+def velocity(dit, x, sigma, conditions, dtype: torch.dtype = torch.bfloat16, full_side: int | None = None):
     """The DiT's prediction (fp32 weights, fp32 out) for square targets `x` `(B, side**2, 64)`, computed under
-    autocast to `dtype` unless that is fp32."""
+    autocast to `dtype` unless that is fp32; with `full_side` (latent tokens a side at full size), a smaller target
+    gets the full size's RoPE ids (`full_size_ids`)."""
     side = math.isqrt(x.shape[1])
-    prefixes = [PrefixInputs(layout=c.layout((side, side)), text=c.text, references=c.references) for c in conditions]
+    layouts = [c.layout((side, side)) for c in conditions]
+    if full_side is not None and full_side != side:
+        layouts = [full_size_ids(layout, full_side // side) for layout in layouts]
+    prefixes = [PrefixInputs(layout=layout, text=c.text, references=c.references)
+                for layout, c in zip(layouts, conditions)]
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         out = dit(x, sigma, prefixes, sample_prefix=list(range(len(conditions))))
     return out.float()
@@ -396,6 +434,7 @@ def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1, sta
     losses = []
     edit_share = sizes.get(f"edit_share{stage}")
     pools = None if edit_share is None else example_pools(data)
+    full_side = GRID[0] if sizes.get("full_size_ids") else None
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = cosine(step, steps, peak, 100 if stage == 1 else 50)
@@ -407,7 +446,7 @@ def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1, sta
         noise = torch.randn(x0.shape, generator=generator)
         sigma = training_sigmas(batch, generator, sizes["high"], tokens=x0.shape[1])
         xs = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
-        error = velocity(dit, xs, sigma, conditions, dtype) - (noise - x0)
+        error = velocity(dit, xs, sigma, conditions, dtype, full_side) - (noise - x0)
         loss = (weight * error.pow(2)).mean() / weight.mean()
         opt.zero_grad()
         loss.backward()
@@ -547,10 +586,10 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=TOY_DIR, help="where the files go (default demo/toy/)")
-    parser.add_argument("--recipe", choices=sorted(RECIPES), default="hour",
-                        help="hour: fits an hour on 2 AVX-512 cores (default); long: ~1.5 h, draws better; lowres: a "
-                             "128 px first stage; edits: lowres with more edits in stage 2; lowedits: edits in the "
-                             "128 px stage too, fits an hour on 2 AVX2 cores (docs/toy-model.md)")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="lowids",
+                        help="lowids (default): a 128 px first stage at the full size's RoPE ids, fits an hour on 2 "
+                             "AVX2 cores; hour: fits an hour on 2 AVX-512 cores; long: ~1.5 h; lowres, edits, "
+                             "lowedits: earlier 128 px recipes (docs/toy-model.md)")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="the DiT's compute dtype: auto = bf16 where the CPU has it natively (AVX-512), else fp32")
     parser.add_argument("--quick", action="store_true", help="a few steps of every phase (tests, smoke runs)")

@@ -134,7 +134,7 @@ def test_the_training_command_line_picks_a_recipe_and_records_itself(tmp_path, m
     train_toy.main(["--out", str(tmp_path)])
     train_toy.main(["--recipe", "long", "--out", str(tmp_path)])
     train_toy.main(["--quick", "--out", str(tmp_path), "--precision", "fp32"])
-    assert [sizes for _, sizes, _ in calls] == [train_toy.RECIPES["hour"], train_toy.RECIPES["long"], train_toy.QUICK]
+    assert [sizes for _, sizes, _ in calls] == [train_toy.RECIPES["lowids"], train_toy.RECIPES["long"], train_toy.QUICK]
     assert calls[1][2]["command"] == f"python demo/train_toy.py --recipe long --out {tmp_path}"
     assert [kwargs["precision"] for _, _, kwargs in calls] == ["auto", "auto", "fp32"]
     with pytest.raises(SystemExit):
@@ -197,6 +197,20 @@ def test_a_smaller_first_stage_can_hold_the_edits_with_a_smaller_reference():
         assert torch.equal(c.text[~c.image_slots], c_full.text[~c_full.image_slots])  # the text as the VLM read it
         layout = c.layout((8, 8))
         assert layout.ref_tokens == 64 and layout.target_len == 64
+        # `full_size_ids`: every row at the RoPE ids of the full-size layout's row it stands for (image rows: every
+        # other row and column of the 16x16 grid; the text after the reference and the target's frame where the
+        # 256 px reference puts them)
+        full, stretched = c_full.layout((16, 16)), train_toy.full_size_ids(layout, 2)
+        text, text_full = full.prefix_positions[full.block_ids < 0], stretched.prefix_positions[stretched.block_ids < 0]
+        assert torch.equal(text, text_full) and not torch.equal(layout.prefix_positions, stretched.prefix_positions)
+        every_other = lambda ids: ids.view(16, 16, 3)[::2, ::2].reshape(64, 3)  # noqa: E731
+        assert torch.equal(stretched.prefix_positions[stretched.block_ids >= 0],
+                           every_other(full.prefix_positions[full.block_ids >= 0]))
+        assert torch.equal(stretched.target_positions, every_other(full.target_positions))
+        assert stretched.segments == layout.segments and stretched.prefix_len == layout.prefix_len
+    plain, plain_full = small[0][0].layout((8, 8)), data[0][0].layout((16, 16))  # text-to-image: the target only
+    assert torch.equal(train_toy.full_size_ids(plain, 2).target_positions,
+                       plain_full.target_positions.view(16, 16, 3)[::2, ::2].reshape(64, 3))
 
 
 def test_a_stage_can_draw_a_given_share_of_edits():
