@@ -201,7 +201,7 @@ def test_a_smaller_first_stage_can_hold_the_edits_with_a_smaller_reference():
         # other row and column of the 16x16 grid; the text after the reference and the target's frame where the
         # 256 px reference puts them)
         full, stretched = c_full.layout((16, 16)), train_toy.full_size_ids(layout, 2)
-        text, text_full = full.prefix_positions[full.block_ids < 0], stretched.prefix_positions[stretched.block_ids < 0]
+        text_full, text = full.prefix_positions[full.block_ids < 0], stretched.prefix_positions[stretched.block_ids < 0]
         assert torch.equal(text, text_full) and not torch.equal(layout.prefix_positions, stretched.prefix_positions)
         every_other = lambda ids: ids.view(16, 16, 3)[::2, ::2].reshape(64, 3)  # noqa: E731
         assert torch.equal(stretched.prefix_positions[stretched.block_ids >= 0],
