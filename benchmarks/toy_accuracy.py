@@ -51,6 +51,8 @@ def main():
         entries, tick = [], time.perf_counter()
         for kind, cases in (("text-to-image", [(s.caption(0), None, s) for s in t2i]),
                             ("edit", [(e.instruction, e.source, e.target) for e in edits])):
+            if not cases:  # --prompts 0 or --edits 0
+                continue
             sided = full = 0
             for i, (prompt, source, wanted) in enumerate(cases):
                 refs = (pipe.reference(source.render()),) if source else ()
