@@ -34,11 +34,10 @@ the files bit for bit; another thread count changes the float sums and so the fi
    reference's 128 px latents in the first slots of that reading (`shrunk_reference`), and with `full_size_ids`
    every row of the smaller stage gets the RoPE ids of the full-size row it stands for, so the full size starts
    from what the smaller one learnt (without them, 500 steps at 256 px after 5,200 at 128 drew 60% / 55%). A
-   128 px step costs ~0.3 of a full one. `lowids` (the default) takes 4,600 steps of 8 at 128 px + 700 at 256,
-   `hour` 3,400 + 1,800 at 256, `long` 3,000 + 1,500 of 16; docs/toy-model.md has what each drew (the asked colour
-   and side for 92% of held-out prompts and 85% of the edits at cfg 1 after `lowids`, 58.6 minutes on 2 AVX2 cores
-   in fp32; 80% / 80% after `hour`). The committed files are older: commit 2b27f68's script made them (2,000 +
-   2,400 steps of 16, before the gradient was mended); docs/toy-model.md says why they stay.
+   128 px step costs ~0.3 of a full one. `moreedits` (the default; it made the committed files) takes 4,600 steps
+   of 8 at 128 px + 780 at 256 (half of them edits), `lowids` 4,600 + 700, `hour` 3,400 + 1,800 at 256, `long`
+   3,000 + 1,500 of 16; docs/toy-model.md has what each drew (the asked colour and side for 95% of held-out prompts
+   and 95% of the edits at cfg 1 after `moreedits`, 58.3 minutes on 2 AVX2 cores in fp32; 80% / 80% after `hour`).
 4. **Turbo**: a copy distilled onto the stored 8 sigmas: the Base model's many-step Euler trajectories between
    each pair of stored sigmas are the targets of one student step.
 """
@@ -88,7 +87,7 @@ from .toy_model import BASE_FILE, LOG_FILE, TOY_DIR, TOY_DIT, TOY_VAE, TURBO_FIL
 GRID = (SIZE // 16, SIZE // 16)
 #: The DiT after its first stage (not committed).
 STAGE1_FILE = "transformer_base_stage1.safetensors"
-#: The recipes (docs/toy-model.md has what each drew; the committed files are older, see above). high: the share of
+#: The recipes (docs/toy-model.md has what each drew; `moreedits` made the committed files). high: the share of
 #: each batch at sigmas in [0.85, 1]; shape_weight: the loss weight of the shape's tokens (1 elsewhere).
 _SHARED = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, high=0.5, shape_weight=3.0,
                stage1_size=SIZE)
@@ -113,12 +112,17 @@ RECIPES = {
     # 75% of prompts / 65% of edits at cfg 1
     "lowedits": dict(_SHARED, stage1_size=128, small_edits=True, dit1_steps=3400, dit1_lr=1.2e-3, edit_share1=0.4,
                      dit2_steps=1000, dit2_lr=8e-4, edit_share2=0.4, turbo_paths=128, turbo_steps=300, batch=8),
-    # the default: lowedits with the 128 px stage at the full size's RoPE ids (`full_size_ids`), so that more of the
-    # DiT's time can go to it (4,600 steps there, 700 at 256 px) and a shorter Turbo: 58.6 min from scratch on 2
-    # AVX2 cores in fp32, 92% of prompts / 85% of edits at cfg 1 (Turbo 90% / 85%)
+    # lowedits with the 128 px stage at the full size's RoPE ids (`full_size_ids`), so that more of the DiT's time
+    # can go to it (4,600 steps there, 700 at 256 px) and a shorter Turbo: 58.6 min from scratch on 2 AVX2 cores in
+    # fp32, 92% of prompts / 85% of edits at cfg 1 (Turbo 90% / 85%)
     "lowids": dict(_SHARED, stage1_size=128, small_edits=True, full_size_ids=True, dit1_steps=4600, dit1_lr=1.2e-3,
                    edit_share1=0.45, dit2_steps=700, dit2_lr=8e-4, edit_share2=0.45, turbo_paths=128,
                    turbo_steps=150, batch=8),
+    # the default, which made the committed files: lowids with 80 more steps at 256 px, half of them edits, paid for
+    # by a shorter Turbo: 58.3 min from scratch on 2 AVX2 cores in fp32, 95% / 95% at cfg 1 (Turbo 92% / 95%)
+    "moreedits": dict(_SHARED, stage1_size=128, small_edits=True, full_size_ids=True, dit1_steps=4600, dit1_lr=1.2e-3,
+                      edit_share1=0.45, dit2_steps=780, dit2_lr=8e-4, edit_share2=0.5, turbo_paths=96,
+                      turbo_steps=100, batch=8),
 }
 # (its stage 1 is the smaller one with edits, both stages draw half edits: the determinism test covers them)
 QUICK = dict(_SHARED, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
@@ -586,10 +590,11 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=TOY_DIR, help="where the files go (default demo/toy/)")
-    parser.add_argument("--recipe", choices=sorted(RECIPES), default="lowids",
-                        help="lowids (default): a 128 px first stage at the full size's RoPE ids, fits an hour on 2 "
-                             "AVX2 cores; hour: fits an hour on 2 AVX-512 cores; long: ~1.5 h; lowres, edits, "
-                             "lowedits: earlier 128 px recipes (docs/toy-model.md)")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="moreedits",
+                        help="moreedits (default, the committed files): a 128 px first stage at the full size's RoPE "
+                             "ids, half of the 256 px stage edits, fits an hour on 2 AVX2 cores; hour: fits an hour "
+                             "on 2 AVX-512 cores; long: ~1.5 h; lowres, edits, lowedits, lowids: earlier recipes "
+                             "(docs/toy-model.md)")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="the DiT's compute dtype: auto = bf16 where the CPU has it natively (AVX-512), else fp32")
     parser.add_argument("--quick", action="store_true", help="a few steps of every phase (tests, smoke runs)")

@@ -3,9 +3,9 @@
 and keeps the rest of the reference, the kept cache, partial reuse and CFG draw the same pictures as without them,
 and the training script is deterministic.
 
-Fast: inference only, on the committed files (256x256, 20 Base steps, CFG 4 against the empty prompt where a
-picture must follow its prompt). The frozen text encoder is pinned too: the DiT learnt its outputs, so a change
-there would silently unteach it.
+Fast: inference only, on the committed files (256x256, 20 Base steps, no CFG: the toy is judged at cfg 1, and
+under CFG 4 it loses colours, docs/toy-model.md). The frozen text encoder is pinned too: the DiT learnt its outputs,
+so a change there would silently unteach it.
 """
 
 import tempfile
@@ -24,7 +24,7 @@ from qi21.model.sampling.cache_store import PrefixCacheStore
 
 pytestmark = pytest.mark.skipif(not toy_model.toy_available(), reason="the toy's files are not in demo/toy/")
 STEPS = 20
-GUIDED = dict(steps=STEPS, cfg=4.0, negative="")
+PLAIN = dict(steps=STEPS, cfg=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -55,19 +55,19 @@ ASKED = tuple(Scene((Item(shape, colour, where, size),), background) for shape, 
 
 def test_the_asked_background_comes_out_and_transparent_is_transparent(pipe):
     for background in ("white", "black", "transparent"):
-        image = pipe.generate(f"a large blue square in the center, {background} background", 3, **GUIDED)[0][0]
+        image = pipe.generate(f"a large blue square in the center, {background} background", 3, **PLAIN)[0][0]
         assert analyse(image).background == background
         corner_alpha = image[:16, :16, 3].mean().item()
         assert corner_alpha < 0.1 if background == "transparent" else corner_alpha > 0.9
 
 
 def test_the_prompts_get_their_colour_and_their_side(pipe):
-    """The toy draws what it is asked (docs/toy-model.md: 95% of 40 held-out prompts get colour and side; all 8 here
-    did when this was written; one miss is allowed for another CPU's float sums). Chance is 2 of 8 colours and 1.6
-    of 8 sides. The background comes out every time."""
-    readings = [analyse(pipe.generate(scene.caption(0), 20 + i, **GUIDED)[0][0]) for i, scene in enumerate(ASKED)]
+    """The toy draws what it is asked (docs/toy-model.md: 95% of 40 held-out prompts get colour and side; here 7 of
+    8 colours and all 8 sides when this was written; one more miss is allowed for another CPU's float sums). Chance
+    is 2 of 8 colours and 1.6 of 8 sides. The background comes out every time."""
+    readings = [analyse(pipe.generate(scene.caption(0), 20 + i, **PLAIN)[0][0]) for i, scene in enumerate(ASKED)]
     assert all(r.background == s.background for r, s in zip(readings, ASKED))
-    assert sum(r.colour == s.items[0].colour for r, s in zip(readings, ASKED)) >= 7
+    assert sum(r.colour == s.items[0].colour for r, s in zip(readings, ASKED)) >= 6
     assert sum(r.position == s.items[0].position for r, s in zip(readings, ASKED)) >= 7
 
 
@@ -76,13 +76,13 @@ def test_the_prompts_get_their_colour_and_their_side(pipe):
     ("move it to the top", Scene((Item("square", "green", "right", "large"),), "black"), ("black", "green", "top")),
 ])
 def test_an_edit_changes_what_it_says_and_keeps_the_rest(pipe, instruction, source, wanted):
-    image = pipe.generate(instruction, 5, (pipe.reference(source.render()),), **GUIDED)[0][0]
+    image = pipe.generate(instruction, 5, (pipe.reference(source.render()),), **PLAIN)[0][0]
     assert analyse(image).reading == wanted
 
 
 def test_removing_the_background_keeps_the_reference_s_layout(pipe):
     source = Scene((Item("circle", "red", "left", "large"),), "white")
-    image = pipe.generate("remove the background", 5, (pipe.reference(source.render()),), **GUIDED)[0][0]
+    image = pipe.generate("remove the background", 5, (pipe.reference(source.render()),), **PLAIN)[0][0]
     assert analyse(image).reading == ("transparent", "red", "left")
 
 
@@ -134,7 +134,8 @@ def test_the_training_command_line_picks_a_recipe_and_records_itself(tmp_path, m
     train_toy.main(["--out", str(tmp_path)])
     train_toy.main(["--recipe", "long", "--out", str(tmp_path)])
     train_toy.main(["--quick", "--out", str(tmp_path), "--precision", "fp32"])
-    assert [sizes for _, sizes, _ in calls] == [train_toy.RECIPES["lowids"], train_toy.RECIPES["long"], train_toy.QUICK]
+    recipes = train_toy.RECIPES
+    assert [sizes for _, sizes, _ in calls] == [recipes["moreedits"], recipes["long"], train_toy.QUICK]
     assert calls[1][2]["command"] == f"python demo/train_toy.py --recipe long --out {tmp_path}"
     assert [kwargs["precision"] for _, _, kwargs in calls] == ["auto", "auto", "fp32"]
     with pytest.raises(SystemExit):
