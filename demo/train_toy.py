@@ -118,12 +118,10 @@ RECIPES = {
     "lowids": dict(_SHARED, stage1_size=128, small_edits=True, full_size_ids=True, dit1_steps=4600, dit1_lr=1.2e-3,
                    edit_share1=0.45, dit2_steps=700, dit2_lr=8e-4, edit_share2=0.45, turbo_paths=128,
                    turbo_steps=150, batch=8),
-    # the default, which made the committed files: lowids with 80 more steps at 256 px, half of them edits, paid for
-    # by a shorter Turbo: 58.3 min from scratch on 2 AVX2 cores in fp32, 95% / 95% at cfg 1 (Turbo 92% / 95%)
-    "moreedits": dict(_SHARED, stage1_size=128, small_edits=True, full_size_ids=True, dit1_steps=4600, dit1_lr=1.2e-3,
-                      edit_share1=0.45, dit2_steps=780, dit2_lr=8e-4, edit_share2=0.5, turbo_paths=96,
-                      turbo_steps=100, batch=8),
 }
+# the default, which made the committed files: lowids with 80 more steps at 256 px, half of them edits, paid for by a
+# shorter Turbo: 58.3 min from scratch on 2 AVX2 cores in fp32, 95% / 95% at cfg 1 (Turbo 92% / 95%)
+RECIPES["moreedits"] = dict(RECIPES["lowids"], dit2_steps=780, edit_share2=0.5, turbo_paths=96, turbo_steps=100)
 # (its stage 1 is the smaller one with edits, both stages draw half edits: the determinism test covers them)
 QUICK = dict(_SHARED, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
              dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2, stage1_size=128, small_edits=True,

@@ -175,6 +175,11 @@ def test_a_smaller_first_stage_sees_the_same_scenes_and_captions_at_its_size():
         assert torch.equal(a[1], b[1]) and torch.equal(a[3], b[3]) and a[2] == b[2]
 
 
+def every_other(ids: torch.Tensor) -> torch.Tensor:
+    """A 16x16 grid's `(256, 3)` RoPE ids at every other row and column: the 8x8 grid a 128 px picture stands for."""
+    return ids.view(16, 16, 3)[::2, ::2].reshape(64, 3)
+
+
 def test_a_smaller_first_stage_can_hold_the_edits_with_a_smaller_reference():
     """`small_edits`: an edit again at 128 px, its reference as 8x8 latent tokens in the slots of the VLM's reading
     of the 256 px picture (the surplus slots dropped, every text state kept as it was), so the DiT lays it out."""
@@ -204,14 +209,12 @@ def test_a_smaller_first_stage_can_hold_the_edits_with_a_smaller_reference():
         full, stretched = c_full.layout((16, 16)), train_toy.full_size_ids(layout, 2)
         text_full, text = full.prefix_positions[full.block_ids < 0], stretched.prefix_positions[stretched.block_ids < 0]
         assert torch.equal(text, text_full) and not torch.equal(layout.prefix_positions, stretched.prefix_positions)
-        every_other = lambda ids: ids.view(16, 16, 3)[::2, ::2].reshape(64, 3)  # noqa: E731
         assert torch.equal(stretched.prefix_positions[stretched.block_ids >= 0],
                            every_other(full.prefix_positions[full.block_ids >= 0]))
         assert torch.equal(stretched.target_positions, every_other(full.target_positions))
         assert stretched.segments == layout.segments and stretched.prefix_len == layout.prefix_len
     plain, plain_full = small[0][0].layout((8, 8)), data[0][0].layout((16, 16))  # text-to-image: the target only
-    assert torch.equal(train_toy.full_size_ids(plain, 2).target_positions,
-                       plain_full.target_positions.view(16, 16, 3)[::2, ::2].reshape(64, 3))
+    assert torch.equal(train_toy.full_size_ids(plain, 2).target_positions, every_other(plain_full.target_positions))
 
 
 def test_a_stage_can_draw_a_given_share_of_edits():
