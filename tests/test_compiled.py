@@ -81,7 +81,6 @@ def test_the_sampler_path_traces_three_graphs_with_no_break_and_no_recompile(dit
     """A run with a LoRA, the int8 prefix cache, an interrupt check that takes an RLock (as ComfyUI's does) after
     every block and a progress callback after every step: three graphs for all blocks (the prefill's, its last
     block's, the cached steps'), no break, and twelve more prompts recompile nothing."""
-    pytest.importorskip("comfy_kitchen")
     _, base = dit_pair
     model = compiled_copy(apply_lora(base, lora_file(base, tmp_path / "lora.safetensors"), 0.8))
     lock, steps_seen, checks = threading.RLock(), [], []
@@ -213,7 +212,6 @@ def test_streamed_blocks_run_compiled_bit_for_bit_and_without_recompiles(dit_pai
 def test_quantized_weight_formats_run_inside_the_compiled_block(tmp_path, kind, dynamo):
     """On a CPU these layers dequantize right before their GEMMs (test_quantized.py); that runs inside the graph, with
     no break, and gives eager's numbers. (On a GPU their comfy-kitchen kernels are not measured: no device here.)"""
-    pytest.importorskip("comfy_kitchen")
     from test_quantized import write_dit  # noqa: PLC0415 (the quantized files of that suite, written the same way)
 
     path, _, _ = write_dit(tmp_path, f"qwen_image_2.1_{kind}.safetensors", kind)

@@ -97,7 +97,6 @@ def test_the_three_layouts_load_and_the_two_float_ones_are_the_same_net(files, n
 
 
 def test_int8_convrot_file_runs_quantized_close_to_its_dequantized_twin(files, pair):
-    pytest.importorskip("comfy_kitchen")
     int8, twin = load_controlnet(files["int8"]), load_controlnet(files["twin"])
     assert int8.layout == "comfy int8"
     assert type(int8.blocks[0].qkv).__name__ == "QuantLinear" and int8.blocks[0].qkv.segments[0].fmt == \

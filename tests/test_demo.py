@@ -355,7 +355,6 @@ def test_load_image_follows_comfyui_conventions(tmp_path):
 SHIPPED = sorted((ROOT / "workflows" / "api").glob("*.json"))
 
 
-@pytest.mark.skipif(not SHIPPED, reason="no API-format workflows in workflows/api yet")
 def test_the_shipped_workflows_run_green_on_the_tiny_set(tmp_path, tiny_models, capsys):
     out = tmp_path / "out"
     assert run_workflows.main(["--models", str(tiny_models["root"]), "--quick", "--out", str(out)]) == 0, \

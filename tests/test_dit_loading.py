@@ -70,7 +70,7 @@ def test_every_layout_loads_and_reproduces_the_model(files, name, layout, varian
     torch.testing.assert_close(velocity(model), velocity(ours), rtol=0, atol=0)
 
 
-def test_weight_dtypes(files):
+def test_bf16_and_fp8_loads_equal_the_fp32_model_rounded_the_same_way(files):
     """bf16 and fp8 loads equal our fp32 model rounded the same way, exactly: the mapping survives the cast."""
     root, ours = files
     bf16 = load_dit(root / "qwen_image_2.1_bf16.safetensors", weight_dtype="bf16")

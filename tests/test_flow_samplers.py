@@ -207,7 +207,7 @@ def test_beta_quantile_inverts_the_incomplete_beta():
         assert regularized_beta(beta_quantile(p, 0.6, 0.6), 0.6, 0.6) == pytest.approx(p, abs=1e-13)
 
 
-def test_sigmas_node_scheduler_input():
+def test_the_sigmas_nodes_scheduler_input_gives_each_schedulers_sigmas():
     official = QI21Sigmas.execute("base", 20, 1024, 768)[0]
     assert torch.equal(official, base_sigmas(20, 1024, 768))
     assert torch.equal(QI21Sigmas.execute("base", 20, 1024, 768, scheduler="official")[0], official)

@@ -16,21 +16,20 @@ import shutil
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-import graph_fixtures as gf  # noqa: E402
-from dit_fixtures import make_case  # noqa: E402
-from qi21.model.layers.gguf import FLOAT_TYPES, QUANT_TYPES, SUPPORTED_TYPES, GGUFLinear, dequantize  # noqa: E402
-from qi21.model.loaders import gguf as gguf_loading  # noqa: E402
-from qi21.model.loaders.dit import load_dit  # noqa: E402
-from qi21.model.loaders.dit_keys import convert_state_dict, file_plan  # noqa: E402
-from qi21.model.loaders.safetensors_io import CheckpointError  # noqa: E402
-from qi21.model.loaders.vae import load_vae  # noqa: E402
-from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT  # noqa: E402
+import graph_fixtures as gf
+from dit_fixtures import make_case
+from qi21.model.layers.gguf import FLOAT_TYPES, QUANT_TYPES, SUPPORTED_TYPES, GGUFLinear, dequantize
+from qi21.model.loaders import gguf as gguf_loading
+from qi21.model.loaders.dit import load_dit
+from qi21.model.loaders.dit_keys import convert_state_dict, file_plan
+from qi21.model.loaders.safetensors_io import CheckpointError
+from qi21.model.loaders.vae import load_vae
+from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
 
 Q = gguf.GGMLQuantizationType
 # width 8 x 32 = 256 and text width 256, so every block weight fits a 256-element K-quant block
@@ -456,7 +455,7 @@ def gguf_models_root(tiny_models, tmp_path_factory):
     bridge.set_models_root(None)
 
 
-def test_whole_graph_on_a_gguf_dit(gguf_models_root):
+def test_a_gguf_dit_is_listed_and_runs_a_whole_turbo_graph(gguf_models_root):
     from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
     from qi21.nodes.decode import QI21VAEDecode
     from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader

@@ -11,15 +11,14 @@ package's `GGUFWriter` and loaded: each equals the same weights in the plain lay
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-gguf = pytest.importorskip("gguf")
-
-from qi21.model.loaders.dit import load_dit  # noqa: E402
-from test_gguf import comfy_tensors, encode, random_model, velocity  # noqa: E402
+from qi21.model.loaders.dit import load_dit
+from test_gguf import comfy_tensors, encode, random_model, velocity
 
 Q = gguf.GGMLQuantizationType
 #: publisher -> (general.architecture or None, key prefix, fused MLP)

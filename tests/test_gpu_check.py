@@ -4,10 +4,6 @@ reported while the others still run."""
 
 import pytest
 
-pytest.importorskip("comfy_kitchen")
-pytest.importorskip("gguf")
-pytest.importorskip("diffusers")
-
 
 @pytest.fixture(scope="module")
 def gpu_check(benchmark_script):

@@ -4,8 +4,6 @@ any machine."""
 
 import pytest
 
-pytest.importorskip("diffusers")
-
 #: kernels per block of a cached step after issue 33 (modulation factors once per forward, fused q/k RMSNorm):
 #: 27.8 (35.7 before; diffusers 47.8)
 MAX_KERNELS_PER_BLOCK = 28

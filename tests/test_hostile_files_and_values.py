@@ -21,6 +21,7 @@ import struct
 import time
 import tracemalloc
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -37,9 +38,7 @@ from qi21.model.sampling.schedule import base_sigmas
 from qi21.nodes import NODES
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 from qi21.nodes.schedule import QI21Sigmas
-
-gguf = pytest.importorskip("gguf")
-from test_gguf import encode, write_gguf  # noqa: E402
+from test_gguf import encode, write_gguf
 
 Q = gguf.GGMLQuantizationType
 NAN_F16 = np.array([np.nan], np.float16).view(np.uint8)
@@ -132,7 +131,6 @@ def fp8_file(tmp_path, change):
 
 
 def test_a_nan_fp8_weight_scale_or_weight_is_refused_by_key(tmp_path):
-    pytest.importorskip("comfy_kitchen")
     key = "transformer_blocks.1.attn.to_k.weight_scale"
     path = fp8_file(tmp_path, lambda t: t.__setitem__(key, torch.full_like(t[key], float("nan"))))
     refused(path, rf"{key} \(float8_e4m3fn weight_scale\) holds NaN or infinite values")
@@ -262,8 +260,6 @@ def write_with_img_in(tmp_path, fmt: str, shape):
                                         ("quantized", (64, 4, 16)), ("gguf", (64, 4, 16)), ("gguf", (64, 2, 2, 4, 4))],
                          ids=["safetensors 5-D", "safetensors 1-D", "quantized 3-D", "gguf 3-D", "gguf 5-D"])
 def test_every_tensors_rank_is_checked_before_its_shape_is_unpacked(tmp_path, fmt, shape):
-    if fmt == "quantized":
-        pytest.importorskip("comfy_kitchen")
     path = write_with_img_in(tmp_path, fmt, shape)
     if fmt == "gguf" and len(shape) > 4:
         refused(path, r"'img_in.weight' has 5 dimensions; GGUF tensors have at most 4")

@@ -24,14 +24,11 @@ import re
 import shutil
 import sys
 
+import comfy_kitchen as ck
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-
-ck = pytest.importorskip("comfy_kitchen")
-
-from comfy_kitchen.tensor import (  # noqa: E402
+from comfy_kitchen.tensor import (
     AsymW4A8Int8Layout,
     TensorCoreConvRotW4A4Layout,
     TensorCoreFP8Layout,
@@ -39,17 +36,18 @@ from comfy_kitchen.tensor import (  # noqa: E402
     TensorCoreNVFP4Layout,
     TensorWiseINT8Layout,
 )
+from safetensors.torch import load_file, save_file
 
-import graph_fixtures as gf  # noqa: E402
-from dit_fixtures import make_case  # noqa: E402
-from qi21.demo import tiny_checkpoints as tiny  # noqa: E402
-from qi21.model.layers import formats, kitchen as kitchen_layers, quant_tables  # noqa: E402
-from qi21.model.layers.linear import Linear  # noqa: E402
-from qi21.model.loaders import kitchen as quantized  # noqa: E402
-from qi21.model.loaders.dit import load_dit  # noqa: E402
-from qi21.model.loaders.safetensors_io import CheckpointError  # noqa: E402
-from qi21.model.loaders.text_encoder import load_text_encoder  # noqa: E402
-from qi21.model.sampling.schedule import TURBO_SIGMAS  # noqa: E402
+import graph_fixtures as gf
+from dit_fixtures import make_case
+from qi21.demo import tiny_checkpoints as tiny
+from qi21.model.layers import formats, kitchen as kitchen_layers, quant_tables
+from qi21.model.layers.linear import Linear
+from qi21.model.loaders import kitchen as quantized
+from qi21.model.loaders.dit import load_dit
+from qi21.model.loaders.safetensors_io import CheckpointError
+from qi21.model.loaders.text_encoder import load_text_encoder
+from qi21.model.sampling.schedule import TURBO_SIGMAS
 
 GROUP = 64  # ConvRot block (a power of 4 dividing the tiny DiT's 64- and 192-wide inputs)
 TE_GROUP = 16  # the tiny text encoder's linears take 16 or 32 inputs
@@ -371,7 +369,7 @@ def test_legacy_scaled_fp8_text_encoder_loads_and_matches_its_dequantized_model(
         assert (got - expected).abs().max() <= 1e-5
 
 
-def test_fp16_text_encoder_weights(tmp_path, tiny_models):
+def test_fp16_text_encoder_files_and_fp16_compute_stay_close_to_fp32(tmp_path, tiny_models):
     """An fp16 file, and a quantized file computing in fp16, both against fp32."""
     path, twin, _ = write_te(tmp_path, "qwen3vl_8b_w4a8.safetensors", "w4a8")
     fp16_file = tmp_path / "qwen3vl_8b_fp16.safetensors"
@@ -571,7 +569,7 @@ def test_missing_comfy_kitchen_says_how_to_install_and_is_imported_only_for_quan
         load_text_encoder(te_path, tokenizer_dir=tiny_models["tokenizer"])
 
 
-def test_text_encoder_refusals(tmp_path, tiny_models):
+def test_a_quantized_embedding_or_a_missing_scale_in_a_text_encoder_is_refused_by_key(tmp_path, tiny_models):
     path, _, _ = write_te(tmp_path, "qwen3vl_8b_w4a8.safetensors", "w4a8")
     tensors = load_file(str(path))
     roles, description, _ = quantize("w4a8", tensors.pop("model.embed_tokens.weight"), TE_GROUP)

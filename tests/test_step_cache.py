@@ -18,6 +18,7 @@ from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
 from qi21.model.sampling.step_cache import StepCache, StepCacheOptions, step_cache_options, with_step_cache
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
+from tolerances import same
 
 GRID = (6, 8)
 WIDTH, HEIGHT = GRID[1] * 16, GRID[0] * 16
@@ -110,7 +111,7 @@ def test_a_skipped_call_is_block_0_plus_the_last_full_residual(model):
         for hook in hooks:
             hook.remove()
     assert stepper.records[1][2] and stepper.records[0][1] is None  # the first call had nothing to compare with
-    torch.testing.assert_close(skipped, expected, rtol=0, atol=1e-6)
+    same(skipped, expected)  # the same sums: block 0, the kept residual, the final layer
 
 
 def test_extrapolate_follows_the_line_through_the_last_two_residuals():
@@ -392,3 +393,33 @@ def test_the_benchmark_runs_with_the_fun_controlnet_both_ways(benchmark_script, 
     assert exact["psnr_min"] == float("inf") and exact["control"] is None  # threshold 0: no step cache at all
     assert (reuse["control"], recompute["control"]) == ("reuse", "recompute")
     assert reuse["skipped"] == recompute["skipped"] > 0 and reuse["blocks_skipped"] > recompute["blocks_skipped"]
+
+
+# -- the indicator, by hand ----------------------------------------------------------------------------------------
+def test_the_indicator_is_the_largest_mean_relative_change_of_block_0s_sampled_residual():
+    """Two samples of 9 target rows x 9 channels after 3 prefix rows: the indicator reads rows and channels 0 and 8
+    (stride 8) of block 0's residual. Every other entry is noise of another scale on each call, so reading one more
+    entry would change the value. By hand, with `then` the first call's sampled residual and `now` the second's:
+      sample 0: then [[1, -1], [2, 0]], now [[1.5, -1], [2, 0.5]]: mean |now - then| 0.25 / mean |then| 1 = 0.25
+      sample 1: then [[2, 2], [2, 2]],  now [[4, 2], [2, 0]]:     mean |now - then| 1 / mean |then| 2 = 0.5
+    and the largest over the samples is 0.5."""
+    rows = dataclasses.make_dataclass("Rows", ["samples", "target_len"])(2, 9)
+    generator = torch.Generator().manual_seed(0)
+
+    def buffer(sampled, noise_scale):  # (3 prefix + 2 x 9 target rows, 9 channels), `sampled` at [s, 0/8, 0/8]
+        x = torch.randn(3 + 18, 9, generator=generator) * noise_scale
+        for s, grid in enumerate(sampled):
+            for i, r in enumerate((0, 8)):
+                for j, c in enumerate((0, 8)):
+                    x[3 + 9 * s + r, c] = grid[i][j]
+        return x
+
+    zero = [[[0, 0], [0, 0]]] * 2
+    stepper = StepCache(ALWAYS, [1.0, 0.5, 0.0], edit=False, num_layers=4)
+    stepper.call(1.0).before_blocks(buffer(zero, 0), rows)
+    assert stepper.after_first_block(buffer([[[1, -1], [2, 0]], [[2, 2], [2, 2]]], 10.0), rows) is None
+    stepper.after_blocks(buffer(zero, 3.0), rows)
+    stepper.call(0.5).before_blocks(buffer(zero, 0), rows)
+    stepper.after_first_block(buffer([[[1.5, -1], [2, 0.5]], [[4, 2], [2, 0]]], 100.0), rows)
+    assert stepper.report()["indicator"] == [None, 0.5]
+    assert stepper.records[1][1] == 0.5

@@ -160,7 +160,6 @@ def test_new_cache_follows_the_plan(model):
 
 
 def test_gguf_weights_stream_as_stored_and_run_bit_identically(tmp_path):
-    pytest.importorskip("gguf")
     from qi21.model.loaders.dit import load_dit
     from test_gguf import comfy_tensors, k_m_mix, random_model, velocity, write_gguf
 

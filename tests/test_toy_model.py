@@ -22,7 +22,6 @@ from qi21.model.encoders.pipeline import encode_prompt
 from qi21.model.loaders.text_encoder import load_text_encoder
 from qi21.model.sampling.cache_store import PrefixCacheStore
 
-pytestmark = pytest.mark.skipif(not toy_model.toy_available(), reason="the toy's files are not in demo/toy/")
 STEPS = 20
 PLAIN = dict(steps=STEPS, cfg=1.0)
 

@@ -514,7 +514,7 @@ def test_report_is_never_saved_nor_queued(report_run):
             assert word not in text
 
 
-def test_batches_cache_and_requeue(report_run):
+def test_the_report_shows_the_last_of_a_batch_a_comfyui_cache_hit_and_clears_on_queue(report_run):
     r = report_run
     assert r["batch"]["value"] == "last of 3 runs: cache hit · 102 prefix tokens · 2.0 GiB on cuda:0 · step 0.16 s"
     assert r["batch"]["tooltip"].startswith("Qwen-Image 2.1 sampler: run 3 of 3")
