@@ -1,10 +1,14 @@
 """Train the toy Qwen-Image 2.1 (demo/toy_model.py) on the procedural shapes of demo/toy_data.py, on the CPU.
 
     python demo/train_toy.py            # ~1 h on 2 cores; writes demo/toy/*.safetensors + training_log.json
-    python demo/train_toy.py --recipe long   # ~1.5 h on 2 AVX-512 cores
     python demo/train_toy.py --quick    # a few steps of every phase (the determinism test runs this twice)
+    python demo/train_toy.py --check demo/toy   # rebuild what DIR's log says into a temporary folder: same bytes?
     python demo/train_toy.py --resume demo/toy   # the same, the VAE phase skipped (its file loaded)
     python demo/train_toy.py --resume demo/toy --stage1 FILE   # the same, the DiT's stage 1 too (its file loaded)
+
+One recipe (`RECIPE`, which made the committed files) and the quick one; the recipes tried before it are rows of
+docs/toy-model.md, with their settings. The training log (`training_log.json`) is written by this script only: the
+recipe, the precision, each phase's seconds and the SHA-256 of every file written, which `--check` compares.
 
 Phases, each seeded, in one process with 2 threads (the same torch build, thread count and `--precision` rebuild
 the files bit for bit; another thread count changes the float sums and so the files):
@@ -23,21 +27,20 @@ the files bit for bit; another thread count changes the float sums and so the fi
    [0.85, 1]: where the picture is still noise, only the prompt says what to draw, and the shifted logit-normal
    almost never goes there (a first model trained without it drew shapes but ignored its prompts). The shape's
    latent tokens weigh more in the loss (a small shape is a few % of the tokens, yet all of what the prompt
-   says). 10% of text-to-image prompts are empty so CFG has an unconditional model. bf16 autocast (fp32
-   weights) where the CPU has native bf16 (AVX-512, AMX: twice the speed of fp32), else fp32 (an AVX2 CPU emulates
-   bf16 at a 14th of fp32's speed). EMA weights are kept. Under autograd the pack's blocks
-   split their row buffer once (not a slice per prompt) and the target rows attend to concatenated keys (the
+   says). 10% of text-to-image prompts are empty so CFG has an unconditional model. fp32, or with `--precision
+   bf16` bf16 autocast (fp32 weights): twice the speed of fp32 on a CPU with native bf16 (AVX-512, AMX), a 14th of
+   it on an AVX2 CPU, which emulates bf16; bf16 gives other files. EMA weights are kept. Under autograd the pack's
+   blocks split their row buffer once (not a slice per prompt) and the target rows attend to concatenated keys (the
    CPU kernel's log-sum-exp merge has no gradient): tests/test_training_gradients.py checks the derivative. Two
-   stages (`RECIPES`): new weights, then more steps from stage 1's EMA (a fresh optimizer and warm-up). Stage 1 may
+   stages: new weights, then more steps from stage 1's EMA (a fresh optimizer and warm-up). Stage 1 may
    train on the text-to-image scenes box-downscaled to `stage1_size` (128 px: 8x8 latent tokens), and with
    `small_edits` on the edits too: the VLM still reads the 256 px reference (its minimum), the DiT gets the
    reference's 128 px latents in the first slots of that reading (`shrunk_reference`), and with `full_size_ids`
    every row of the smaller stage gets the RoPE ids of the full-size row it stands for, so the full size starts
    from what the smaller one learnt (without them, 500 steps at 256 px after 5,200 at 128 drew 60% / 55%). A
-   128 px step costs ~0.3 of a full one. `moreedits` (the default; it made the committed files) takes 4,600 steps
-   of 8 at 128 px + 780 at 256 (half of them edits), `lowids` 4,600 + 700, `hour` 3,400 + 1,800 at 256, `long`
-   3,000 + 1,500 of 16; docs/toy-model.md has what each drew (the asked colour and side for 95% of held-out prompts
-   and 95% of the edits at cfg 1 after `moreedits`, 58.3 minutes on 2 AVX2 cores in fp32; 80% / 80% after `hour`).
+   128 px step costs ~0.3 of a full one. `RECIPE` (`moreedits`) takes 4,600 steps of 8 at 128 px + 780 at 256
+   (half of them edits): the asked colour and side for 95% of held-out prompts and 95% of the edits at cfg 1, 58.3
+   minutes on 2 AVX2 cores in fp32 (docs/toy-model.md has what the other recipes drew).
 4. **Turbo**: a copy distilled onto the stored 8 sigmas: the Base model's many-step Euler trajectories between
    each pair of stored sigmas are the targets of one student step.
 """
@@ -46,6 +49,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import hashlib
 import importlib
 import json
 import math
@@ -87,48 +91,21 @@ from .toy_model import BASE_FILE, LOG_FILE, TOY_DIR, TOY_DIT, TOY_VAE, TURBO_FIL
 GRID = (SIZE // 16, SIZE // 16)
 #: The DiT after its first stage (not committed).
 STAGE1_FILE = "transformer_base_stage1.safetensors"
-#: The recipes (docs/toy-model.md has what each drew; `moreedits` made the committed files). high: the share of
-#: each batch at sigmas in [0.85, 1]; shape_weight: the loss weight of the shape's tokens (1 elsewhere).
-_SHARED = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, high=0.5, shape_weight=3.0,
-               stage1_size=SIZE)
-RECIPES = {
-    # the issue's hour on 2 AVX-512 cores in bf16 (3,504 s measured; 80% / 80% at cfg 1); on 2 AVX2 cores in fp32
-    # its DiT steps alone take ~70 min (0.8 s each)
-    "hour": dict(_SHARED, dit1_steps=3400, dit1_lr=1.2e-3, dit2_steps=1800, dit2_lr=8e-4, turbo_paths=128,
-                 turbo_steps=400, batch=8),
-    # half again as long (~89 minutes), and it draws better (90% / 90% at cfg 1)
-    "long": dict(_SHARED, dit1_steps=3000, dit1_lr=1.5e-3, dit2_steps=1500, dit2_lr=1e-3, turbo_paths=256,
-                 turbo_steps=300, batch=16),
-    # stage 1 on 128 px text-to-image (a step ~0.3x a full one): its DiT phases measured alone, 26 min on 2 AVX2
-    # cores in fp32, 90% of prompts but 35% of edits at cfg 1 (edits only meet stage 2's 1,000 steps)
-    "lowres": dict(_SHARED, stage1_size=128, dit1_steps=3000, dit1_lr=1.2e-3, dit2_steps=1000, dit2_lr=8e-4,
-                   turbo_paths=128, turbo_steps=400, batch=8),
-    # lowres with edits at half of each stage-2 batch (stage 1 saw none), a longer stage 2, a shorter Turbo: 72 min
-    # from scratch on 2 AVX2 cores in fp32, 72% of prompts / 45% of edits at cfg 1 (edits up, prompts down)
-    "edits": dict(_SHARED, stage1_size=128, dit1_steps=3000, dit1_lr=1.2e-3, dit2_steps=1200, dit2_lr=8e-4,
-                  edit_share2=0.5, turbo_paths=128, turbo_steps=300, batch=8),
-    # lowres with the edits in the 128 px stage too (their reference at 128 px, the VLM's reading of it at 256:
-    # `shrunk_reference`), 40% of each batch edits in both stages: 58.4 min from scratch on 2 AVX2 cores in fp32,
-    # 75% of prompts / 65% of edits at cfg 1
-    "lowedits": dict(_SHARED, stage1_size=128, small_edits=True, dit1_steps=3400, dit1_lr=1.2e-3, edit_share1=0.4,
-                     dit2_steps=1000, dit2_lr=8e-4, edit_share2=0.4, turbo_paths=128, turbo_steps=300, batch=8),
-    # lowedits with the 128 px stage at the full size's RoPE ids (`full_size_ids`), so that more of the DiT's time
-    # can go to it (4,600 steps there, 700 at 256 px) and a shorter Turbo: 58.6 min from scratch on 2 AVX2 cores in
-    # fp32, 92% of prompts / 85% of edits at cfg 1 (Turbo 90% / 85%)
-    "lowids": dict(_SHARED, stage1_size=128, small_edits=True, full_size_ids=True, dit1_steps=4600, dit1_lr=1.2e-3,
-                   edit_share1=0.45, dit2_steps=700, dit2_lr=8e-4, edit_share2=0.45, turbo_paths=128,
-                   turbo_steps=150, batch=8),
-}
-# the default, which made the committed files: lowids with 80 more steps at 256 px, half of them edits, paid for by a
-# shorter Turbo: 58.3 min from scratch on 2 AVX2 cores in fp32, 95% / 95% at cfg 1 (Turbo 92% / 95%)
-RECIPES["moreedits"] = dict(RECIPES["lowids"], dit2_steps=780, edit_share2=0.5, turbo_paths=96, turbo_steps=100)
-# (its stage 1 is the smaller one with edits, both stages draw half edits: the determinism test covers them)
-QUICK = dict(_SHARED, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
-             dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2, stage1_size=128, small_edits=True,
-             edit_share1=0.5, edit_share2=0.5, full_size_ids=True)
+#: The recipe that made the committed files (`moreedits`; docs/toy-model.md has the others, as rows). high: the
+#: share of each batch at sigmas in [0.85, 1]; shape_weight: the loss weight of the shape's tokens (1 elsewhere);
+#: stage1_size: stage 1's picture size (128 px: 8x8 latent tokens); small_edits: the edits in stage 1 too, their
+#: reference shrunk; full_size_ids: stage 1 at the full size's RoPE ids; edit_share{1,2}: each stage's share of edits.
+RECIPE = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=1500, high=0.5, shape_weight=3.0,
+              stage1_size=128, small_edits=True, full_size_ids=True, dit1_steps=4600, dit1_lr=1.2e-3,
+              edit_share1=0.45, dit2_steps=780, dit2_lr=8e-4, edit_share2=0.5, turbo_paths=96, turbo_steps=100,
+              batch=8)
+#: A few steps of every phase, with every switch of `RECIPE` on (the determinism test and `--check`'s test run it).
+QUICK = dict(RECIPE, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
+             dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2, edit_share1=0.5)
+RECIPES = {"moreedits": RECIPE, "quick": QUICK}
 HIGH_SIGMAS = (0.85, 1.0)
-#: The DiT's compute dtype (`--precision`): auto is bf16 on CPUs with native bf16 (AVX-512, AMX), else fp32.
-PRECISIONS = ("auto", "bf16", "fp32")
+#: The DiT's compute dtype (`--precision`): fp32 unless bf16 is asked for (fast only where the CPU has it natively).
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def pixels(image) -> torch.Tensor:
@@ -341,22 +318,6 @@ def training_sigmas(count: int, generator, high: float = 0.0, tokens: int = GRID
     return torch.where(torch.rand(count, generator=generator) < high, noisy, sigmas)
 
 
-def native_bf16() -> bool:
-    """Whether this CPU has oneDNN's bf16 kernels (AVX-512 or AMX). There bf16 autocast halves a step; on an AVX2 CPU
-    bf16 is emulated op by op and a step of 8 took 11.3 s against 0.79 s in fp32 (docs/toy-model.md)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch without the query: fp32 is right everywhere
-        return False
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """`PRECISIONS` -> the DiT's compute dtype (its weights stay fp32); "auto" is bf16 where the CPU has it."""
-    if precision == "auto":
-        precision = "bf16" if native_bf16() else "fp32"
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
-
-
 @functools.cache
 def full_size_ids(layout: SequenceLayout, factor: int) -> SequenceLayout:
     """`layout` (a picture and its references box-downscaled `factor` times) with the RoPE ids of the full-size
@@ -517,14 +478,26 @@ def bf16_copy(module: torch.nn.Module) -> dict:
     return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()}
 
 
-def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1: Path | None = None,
-          command: str = "python demo/train_toy.py", precision: str = "auto") -> dict:
-    """All phases; `resume` (a folder with this script's VAE) skips the VAE phase, drawing the same random numbers,
-    and `stage1` (this script's stage-1 DiT file) the DiT's first stage, so the result is the same as a run from
-    the start. `precision` (`PRECISIONS`) is the DiT's compute dtype: bf16 and fp32 give different files."""
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def train(out: Path, recipe: str = "moreedits", log=print, resume: Path | None = None, stage1: Path | None = None,
+          command: str = "python demo/train_toy.py", precision: str = "fp32") -> dict:
+    """All phases of `RECIPES[recipe]`; `resume` (a folder with this script's VAE) skips the VAE phase, drawing the
+    same random numbers, and `stage1` (this script's stage-1 DiT file) the DiT's first stage, so the result is the
+    same as a run from the start. `precision` (`PRECISIONS`) is the DiT's compute dtype: bf16 and fp32 give
+    different files. Returns the training log it wrote to `out`, with the SHA-256 of every file written."""
+    if recipe not in RECIPES or precision not in PRECISIONS:
+        raise ValueError(f"recipe must be one of {sorted(RECIPES)} and precision one of {sorted(PRECISIONS)}; "
+                         f"got {recipe!r}, {precision!r}")
+    sizes, dtype = RECIPES[recipe], PRECISIONS[precision]
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    dtype = compute_dtype(precision)
     rng = random.Random(0)
     timings, started = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:  # the demo's seeded text encoder, frozen
@@ -574,7 +547,9 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1:
     timings["turbo_s"] = time.perf_counter() - started - sum(timings.values())
 
     save_file(dit_to_diffusers(bf16_copy(turbo)), out / TURBO_FILE)
-    record = dict(sizes=sizes, seconds={k: round(v, 1) for k, v in timings.items()},
+    written = [VAE_FILE, *([STAGE1_FILE] if stage1 is None else []), BASE_FILE, TURBO_FILE]
+    record = dict(recipe=recipe, precision=precision, sha256={name: sha256(out / name) for name in written},
+                  sizes=sizes, seconds={k: round(v, 1) for k, v in timings.items()},
                   total_s=round(time.perf_counter() - started, 1),
                   final_loss=dict(dit_stage1=rounded(stage1_loss), dit=rounded(dit_loss), turbo=rounded(turbo_loss)),
                   torch=torch.__version__, threads=torch.get_num_threads(), command=command,
@@ -585,25 +560,62 @@ def train(out: Path, sizes: dict, log=print, resume: Path | None = None, stage1:
     return record
 
 
+def check(folder: Path, log=print) -> bool:
+    """Whether a rebuild gives the same bytes as `folder`: its training log names the recipe, the precision and the
+    SHA-256 of every file; the same run from scratch into a temporary folder is compared, file by file, with the
+    files in `folder` (and the log with them: a file changed since its log was written is named too)."""
+    path = Path(folder) / LOG_FILE
+    if not path.is_file():
+        raise SystemExit(f"--check: {path} is missing: a folder written by this script holds it")
+    record = json.loads(path.read_text())
+    recorded = record.get("sha256")
+    if not recorded or record.get("recipe") not in RECIPES:
+        raise SystemExit(f"--check: {path} records no SHA-256 of its files or no recipe of {sorted(RECIPES)}: it "
+                         f"was not written by this script")
+    precision = record.get("precision") or {"float32": "fp32", "bfloat16": "bf16"}[record["compute"]]
+    here = {name: sha256(Path(folder) / name) if (Path(folder) / name).is_file() else None for name in recorded}
+    for name, digest in sorted(recorded.items()):
+        if here[name] != digest:
+            log(f"{name}: the file in {folder} is {'missing' if here[name] is None else 'not what its log records'}")
+    log(f"rebuilding recipe {record['recipe']} in {precision} (the committed recipe takes ~1 h on 2 cores)")
+    with tempfile.TemporaryDirectory() as tmp:
+        rebuilt = train(Path(tmp), record["recipe"], log, precision=precision,
+                        command=f"python demo/train_toy.py --check {folder}")["sha256"]
+    same = True
+    for name in sorted(recorded):
+        ok = here[name] is not None and here[name] == rebuilt.get(name)
+        same &= ok
+        log(f"{name}: {'same bytes' if ok else 'DIFFERENT bytes'} (rebuilt {rebuilt.get(name, 'nothing')[:16]}, "
+            f"{folder}: {(here[name] or 'missing')[:16]})")
+    log("the rebuild gives the same bytes" if same else "the rebuild DIFFERS")
+    return same
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=TOY_DIR, help="where the files go (default demo/toy/)")
-    parser.add_argument("--recipe", choices=sorted(RECIPES), default="moreedits",
-                        help="moreedits (default, the committed files): a 128 px first stage at the full size's RoPE "
-                             "ids, half of the 256 px stage edits, fits an hour on 2 AVX2 cores; hour: fits an hour "
-                             "on 2 AVX-512 cores; long: ~1.5 h; lowres, edits, lowedits, lowids: earlier recipes "
-                             "(docs/toy-model.md)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
-                        help="the DiT's compute dtype: auto = bf16 where the CPU has it natively (AVX-512), else fp32")
-    parser.add_argument("--quick", action="store_true", help="a few steps of every phase (tests, smoke runs)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few steps of every phase (tests, smoke runs); default: the recipe of the committed "
+                             "files (moreedits; docs/toy-model.md has the recipes tried before it)")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+                        help="the DiT's compute dtype: fp32 (default), or bf16 autocast (fast only on CPUs with "
+                             "native bf16, AVX-512 / AMX; other files)")
     parser.add_argument("--resume", type=Path, default=None,
                         help="a folder with this script's vae.safetensors: skip the VAE phase (same result)")
     parser.add_argument("--stage1", type=Path, default=None,
                         help=f"this script's {STAGE1_FILE}: skip the DiT's first stage (same result)")
+    parser.add_argument("--check", type=Path, default=None, metavar="DIR",
+                        help="rebuild what DIR's training log records (recipe, precision) into a temporary folder and "
+                             "say whether every file has the same bytes as DIR's; exit 1 if not")
     args = parser.parse_args(argv)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    if args.check is not None:
+        if args.quick or args.resume or args.stage1 or args.precision != "fp32":
+            parser.error("--check takes the recipe and precision from DIR's training log: give it alone")
+        return 0 if check(args.check, log) else 1
     command = " ".join(["python demo/train_toy.py", *(sys.argv[1:] if argv is None else argv)])
-    train(args.out, QUICK if args.quick else RECIPES[args.recipe], log=lambda line: print(line, flush=True),
-          resume=args.resume, stage1=args.stage1, command=command, precision=args.precision)
+    train(args.out, "quick" if args.quick else "moreedits", log=log, resume=args.resume, stage1=args.stage1,
+          command=command, precision=args.precision)
     return 0
 
 

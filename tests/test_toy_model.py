@@ -8,6 +8,7 @@ under CFG 4 it loses colours, docs/toy-model.md). The frozen text encoder is pin
 so a change there would silently unteach it.
 """
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -109,46 +110,85 @@ def test_cfg_with_the_prefix_cache_draws_what_it_draws_without(pipe):
     assert analyse(cached[0]).reading == analyse(plain[0]).reading
 
 
-def test_the_training_script_is_deterministic(tmp_path):
-    """Two quick runs (a few steps of every phase) write the same bytes, and so does a third that loads the first's
-    VAE and stage-1 DiT: the full run rebuilds the committed files the same way on the same torch build and thread
-    count."""
+def test_the_training_script_is_deterministic_and_its_check_sees_the_same_bytes(tmp_path):
+    """A quick run (a few steps of every phase) logs the SHA-256 of every file it wrote; `check` rebuilds it from
+    that log and finds the same bytes; a third run that loads the first's VAE and stage-1 DiT writes them too: the
+    full run rebuilds the committed files the same way on the same torch build and thread count."""
     from qi21.demo import train_toy
 
-    for name in ("a", "b"):
-        train_toy.train(tmp_path / name, train_toy.QUICK, log=lambda line: None)
+    record = train_toy.train(tmp_path / "a", "quick", log=lambda line: None)
+    assert sorted(record["sha256"]) == sorted([toy_model.BASE_FILE, toy_model.TURBO_FILE, toy_model.VAE_FILE,
+                                               train_toy.STAGE1_FILE])
+    assert all(train_toy.sha256(tmp_path / "a" / name) == digest for name, digest in record["sha256"].items())
+    assert json.loads((tmp_path / "a" / toy_model.LOG_FILE).read_text())["sha256"] == record["sha256"]
+    lines = []
+    assert train_toy.check(tmp_path / "a", log=lines.append), lines
     # the committed files were made in steps: the VAE and the DiT's first stage loaded from an earlier run's files
-    train_toy.train(tmp_path / "c", train_toy.QUICK, log=lambda line: None, resume=tmp_path / "a",
+    train_toy.train(tmp_path / "c", "quick", log=lambda line: None, resume=tmp_path / "a",
                     stage1=tmp_path / "a" / train_toy.STAGE1_FILE)
     for name in (toy_model.BASE_FILE, toy_model.TURBO_FILE, toy_model.VAE_FILE):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "c" / name).read_bytes(), name
 
 
-def test_the_training_command_line_picks_a_recipe_and_records_itself(tmp_path, monkeypatch):
+def test_the_check_names_a_file_whose_bytes_differ_from_the_rebuild(tmp_path, monkeypatch):
+    """`check` against a stand-in rebuild (fixed bytes): the same files pass; one changed byte fails and is named,
+    and so is a file that differs from its own log; a folder without this script's log is refused."""
+    from qi21.demo import train_toy
+
+    names = [toy_model.VAE_FILE, toy_model.BASE_FILE]
+
+    def rebuild(out, recipe, log, **kwargs):
+        assert (recipe, kwargs["precision"]) == ("quick", "fp32")
+        for name in names:
+            (out / name).write_bytes(name.encode())
+        return {"sha256": {name: train_toy.sha256(out / name) for name in names}}
+
+    monkeypatch.setattr(train_toy, "train", rebuild)
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    rebuild(folder, "quick", None, precision="fp32")
+    log = {"recipe": "quick", "precision": "fp32", "sha256": {n: train_toy.sha256(folder / n) for n in names}}
+    (folder / toy_model.LOG_FILE).write_text(json.dumps(log))
+    assert train_toy.check(folder, log=lambda line: None)
+    (folder / toy_model.BASE_FILE).write_bytes(b"transformer_base.safetensorZ")
+    lines = []
+    assert not train_toy.check(folder, log=lines.append)
+    assert f"{toy_model.BASE_FILE}: the file in {folder} is not what its log records" in lines
+    assert any(line.startswith(f"{toy_model.BASE_FILE}: DIFFERENT bytes") for line in lines), lines
+    assert any(line.startswith(f"{toy_model.VAE_FILE}: same bytes") for line in lines), lines
+    assert train_toy.main(["--check", str(folder)]) == 1
+    (folder / toy_model.LOG_FILE).write_text(json.dumps({"recipe": "quick"}))
+    with pytest.raises(SystemExit, match="records no SHA-256"):
+        train_toy.check(folder)
+
+
+def test_the_committed_log_describes_the_committed_files():
+    """The recipe in the code is the one the committed log records, and its SHA-256 are the committed files'."""
+    from qi21.demo import train_toy
+
+    record = toy_model.training_log()
+    assert record["recipe"] == "moreedits" and record["sizes"] == train_toy.RECIPE and record["precision"] == "fp32"
+    for name in (toy_model.BASE_FILE, toy_model.TURBO_FILE, toy_model.VAE_FILE):
+        assert train_toy.sha256(toy_model.TOY_DIR / name) == record["sha256"][name], name
+
+
+def test_the_training_command_line_runs_one_recipe_in_fp32_unless_asked(tmp_path, monkeypatch):
     from qi21.demo import train_toy
 
     calls = []
-    monkeypatch.setattr(train_toy, "train", lambda out, sizes, **kwargs: calls.append((out, sizes, kwargs)))
+    monkeypatch.setattr(train_toy, "train", lambda out, recipe, **kwargs: calls.append((out, recipe, kwargs)))
     train_toy.main(["--out", str(tmp_path)])
-    train_toy.main(["--recipe", "long", "--out", str(tmp_path)])
-    train_toy.main(["--quick", "--out", str(tmp_path), "--precision", "fp32"])
-    recipes = train_toy.RECIPES
-    assert [sizes for _, sizes, _ in calls] == [recipes["moreedits"], recipes["long"], train_toy.QUICK]
-    assert calls[1][2]["command"] == f"python demo/train_toy.py --recipe long --out {tmp_path}"
-    assert [kwargs["precision"] for _, _, kwargs in calls] == ["auto", "auto", "fp32"]
-    with pytest.raises(SystemExit):
-        train_toy.main(["--recipe", "fast"])
-
-
-def test_the_training_computes_in_bf16_only_where_the_cpu_has_it(monkeypatch):
-    """bf16 autocast halves a step on AVX-512 but is emulated, 14x slower than fp32, on AVX2 (docs/toy-model.md)."""
-    from qi21.demo import train_toy
-
-    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(train_toy, "native_bf16", lambda native=native: native)
-        assert train_toy.compute_dtype("auto") == expected
-        assert train_toy.compute_dtype("bf16") == torch.bfloat16 and train_toy.compute_dtype("fp32") == torch.float32
+    train_toy.main(["--quick", "--out", str(tmp_path), "--precision", "bf16"])
+    assert [recipe for _, recipe, _ in calls] == ["moreedits", "quick"]
+    assert calls[1][2]["command"] == f"python demo/train_toy.py --quick --out {tmp_path} --precision bf16"
+    assert [kwargs["precision"] for _, _, kwargs in calls] == ["fp32", "bf16"]
+    assert train_toy.PRECISIONS == {"fp32": torch.float32, "bf16": torch.bfloat16}
+    for wrong in (["--recipe", "long"], ["--precision", "auto"], ["--check", str(tmp_path), "--quick"]):
+        with pytest.raises(SystemExit):
+            train_toy.main(wrong)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        train_toy.train(tmp_path, "long")
 
 
 def test_a_smaller_first_stage_sees_the_same_scenes_and_captions_at_its_size():
@@ -218,7 +258,7 @@ def test_a_smaller_first_stage_can_hold_the_edits_with_a_smaller_reference():
 
 def test_a_stage_can_draw_a_given_share_of_edits():
     """`edit_share{stage}`: that share of a batch from the edits, the rest from the text-to-image examples; without
-    it the draw is the plain uniform one the `hour` and `long` recipes were measured with."""
+    it the draw is the plain uniform one the `hour` and `long` recipes (docs/toy-model.md) were measured with."""
     from qi21.demo import train_toy
 
     data = [(None, None, "t2i" if i % 4 else "recolour", None) for i in range(40)]  # a quarter edits
@@ -228,4 +268,4 @@ def test_a_stage_can_draw_a_given_share_of_edits():
     assert 0.7 < share < 0.8 and len(set(picks)) == 40  # every example still drawn
     uniform = train_toy.draw_examples(data, 8, torch.Generator().manual_seed(2))
     assert uniform == torch.randint(40, (8,), generator=torch.Generator().manual_seed(2)).tolist()
-    assert train_toy.RECIPES["edits"]["edit_share2"] == 0.5 and "edit_share2" not in train_toy.RECIPES["hour"]
+    assert train_toy.RECIPE["edit_share1"] == 0.45 and train_toy.RECIPE["edit_share2"] == 0.5
