@@ -1,10 +1,10 @@
 """A benchmark-only ComfyUI custom node: diffusers' QwenImage21 denoising loop inside the same server as ours.
 
-benchmarks/bench_comfyui.py copies this file into the server's custom_nodes/ (never shipped with the pack), so
-diffusers' loop runs in the same process, thread pool, executor and timing as our sampler node: the transformer with
-the weights of `weights` (diffusers' layout), `kv_cache_mode` extract on the first step and cached after it, and
-FlowMatchEulerDiscreteScheduler's step, as QwenImage21Pipeline runs them, at the token counts of our run (one
-reference of `grid` x `grid` latent tokens, `prefix_tokens` prefix tokens in all, a `grid` x `grid` target).
+benchmarks/comfyui.py (its `speed` question) copies this file into the server's custom_nodes/ (never shipped with the
+pack), so diffusers' loop runs in the same process, thread pool, executor and timing as our sampler node: the
+transformer with the weights of `weights` (diffusers' layout), `kv_cache_mode` extract on the first step and cached
+after it, and FlowMatchEulerDiscreteScheduler's step, as QwenImage21Pipeline runs them, at the token counts of our
+run (one reference of `grid` x `grid` latent tokens, `prefix_tokens` prefix tokens in all, a `grid` x `grid` target).
 """
 
 import json

@@ -1,7 +1,7 @@
 """Looking at the toy's pictures: what a generated image shows (background, the shape's colour and side), and a
 small pipeline that makes images from prompts through the pack's own loaders, encoders and sampler.
 
-The tests (tests/test_toy_model.py), the yardstick (benchmarks/yardstick.py) and the main job's contact sheet use
+The tests (tests/test_toy_model.py), the yardstick (benchmarks/quality.py variants) and the main job's contact sheet use
 these; the picture checks are deliberately plain (a background from the corners, the shape's pixels as those far
 from it, the nearest palette colour of their mean, the nearest position of their centroid), so a reader can verify
 them by eye on the contact sheet.

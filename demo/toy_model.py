@@ -1,7 +1,7 @@
 """The toy Qwen-Image 2.1 that was trained here (demo/train_toy.py): the released architecture at a small size,
 trained on the procedural shapes of demo/toy_data.py, so it draws what its captions ask for.
 
-Random weights test exactness; this model shows what a lossy option does to a picture (benchmarks/yardstick.py),
+Random weights test exactness; this model shows what a lossy option does to a picture (benchmarks/quality.py variants),
 and it is what the main job (demo/run_workflows.py) runs by default. Its numbers bound nothing about the real
 model; they rank options and show which ones move a picture.
 

@@ -5,7 +5,7 @@ streaming, interrupts.
 
 A random model has no denoising dynamics, so the indicator says nothing about quality here; the rule's structure is
 tested with a threshold so large that every call the rule allows is skipped (`ALWAYS`), and the decisions of a
-realistic threshold only for determinism. Quality is benchmarks/bench_step_cache.py's job, on a trained model.
+realistic threshold only for determinism. Quality is benchmarks/quality.py step-cache's job, on a trained model.
 """
 
 import dataclasses
@@ -364,10 +364,10 @@ def test_the_node_checks_its_window_and_the_copy_keeps_the_models_prefix(model):
 
 
 def test_the_benchmark_measures_exact_as_exact_through_the_nodes(benchmark_script, tiny_models):
-    bench = benchmark_script("bench_step_cache")
+    bench = benchmark_script("quality")
     try:
-        summary = bench.main(["--models", str(tiny_models["root"]), "--prompts", "1", "--edits", "1", "--steps", "10",
-                              "--size", "128", "--settings", "t8:0", "t8:1"])
+        summary = bench.main(["step-cache", "--models", str(tiny_models["root"]), "--prompts", "1", "--edits", "1",
+                              "--steps", "10", "--size", "128", "--settings", "t8:0", "t8:1"])
     finally:
         from qi21.nodes import bridge
 
@@ -380,10 +380,10 @@ def test_the_benchmark_measures_exact_as_exact_through_the_nodes(benchmark_scrip
 
 
 def test_the_benchmark_runs_with_the_fun_controlnet_both_ways(benchmark_script, tiny_models):
-    bench = benchmark_script("bench_step_cache")
+    bench = benchmark_script("quality")
     try:  # 2 control blocks for the tiny DiT's 2: one after the last block, recomputed on a skipped step
-        summary = bench.main(["--models", str(tiny_models["root"]), "--prompts", "1", "--edits", "0", "--steps", "8",
-                              "--size", "128", "--control", "--control-blocks", "2",
+        summary = bench.main(["step-cache", "--models", str(tiny_models["root"]), "--prompts", "1", "--edits", "0",
+                              "--steps", "8", "--size", "128", "--control", "--control-blocks", "2",
                               "--settings", "t8:0", "t8:1", "t8:1+recompute"])
     finally:
         from qi21.nodes import bridge
