@@ -2,8 +2,8 @@
 
 One random model (bf16-rounded, `check.format_layers` blocks at the check's width) is written as users get it: the
 bf16 ComfyUI file, ComfyUI quantized files made by comfy-kitchen's own quantizers (int8 ConvRot, fp8, W4A8:
-benchmarks/bench_quantized.py), GGUF Q8_0 and Q4_K (benchmarks/bench_gguf.py) and a rank-32 LoRA on every block
-linear (benchmarks/bench_lora.py). Each loads as the nodes load it (on a GPU the int8 / fp8 / W4A8 layers run
+benchmarks/variants.py quantized), GGUF Q8_0 and Q4_K (variants.py gguf) and a rank-32 LoRA on every block
+linear (variants.py lora). Each loads as the nodes load it (on a GPU the int8 / fp8 / W4A8 layers run
 comfy-kitchen's kernels; on a CPU they are dequantized per layer). Its "twin" is a plain `QwenImage21DiT` in the same
 compute dtype whose every linear holds that model's own dequantized weight (a LoRA merged in), so the difference is
 what the fast path itself changes; the bf16 file's row is the scale of plain bf16 rounding. Prefill and cached step
@@ -16,9 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import bench_gguf
-import bench_lora
-import bench_quantized
+import variants
 from gpu_check_common import Check, dit_calls, rel_diff, table
 from qi21.model.layers.kitchen import gemm_summary
 from qi21.model.layers.linear import Linear
@@ -60,14 +58,14 @@ def dense_twin(model: QwenImage21DiT, dtype: torch.dtype) -> QwenImage21DiT:
 
 def write_files(folder: Path, ours: QwenImage21DiT, config) -> dict[str, tuple[Path, str]]:
     """{name: (file, what it is)} of the model in every format."""
-    tensors = {key: value.float().cpu() for key, value in bench_gguf.comfy_tensors(ours).items()}
+    tensors = {key: value.float().cpu() for key, value in variants.comfy_tensors(ours).items()}
     files = {"bf16 file": (folder / "qwen_image_2.1_bf16.safetensors", "bf16")}
     save_file({k: v.bfloat16() for k, v in tensors.items()}, str(files["bf16 file"][0]))
     for kind in KITCHEN:
-        path = bench_quantized.quantized_file(tensors, kind, folder / f"qwen_image_2.1_{kind}.safetensors")
+        path = variants.quantized_file(tensors, kind, folder / f"qwen_image_2.1_{kind}.safetensors")
         files[kind] = (path, "comfy-kitchen")
     for qtype in GGUF:
-        files[qtype] = (bench_gguf.write_gguf(folder / f"qwen_image_2.1-{qtype}.gguf", tensors, qtype), "GGUF")
+        files[qtype] = (variants.write_gguf(folder / f"qwen_image_2.1-{qtype}.gguf", tensors, qtype), "GGUF")
     return files
 
 
@@ -79,7 +77,7 @@ def run(check: Check) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
         files = write_files(folder, ours, ours.config)
-        lora_file = bench_lora.write_lora(folder / "lora.safetensors", ours.config, LORA_RANK)
+        lora_file = variants.write_lora(folder / "lora.safetensors", ours.config, LORA_RANK)
         with torch.inference_mode():
             our_prefill, our_step, their_prefill, their_step = dit_calls(check, reference, ours, prefix, target, kwargs)
             base = {"prefill": check.median_ms(their_prefill), "cached": check.median_ms(their_step)}

@@ -43,8 +43,6 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
-from bench_gguf import comfy_tensors, write_gguf
-from bench_quantized import quantized_file
 from qi21.demo.toy_data import random_edit, random_scene
 from qi21.demo.toy_eval import ToyPipeline, analyse, psnr, ssim
 from qi21.demo.toy_model import TOY_DIR, write_toy_checkpoints
@@ -56,6 +54,7 @@ from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 from qi21.nodes.step_cache import QI21StepCache
+from variants import comfy_tensors, quantized_file, write_gguf
 
 T2I, EDITS = 14, 6
 EDIT_KINDS = ("recolour", "move", "background")
