@@ -109,6 +109,21 @@ def relative_change(now: torch.Tensor, then: torch.Tensor) -> float:
     return float(per_sample.max())
 
 
+class OneProcessIndicator:
+    """The indicator of a run in one process: every target row is here (`sampled`), and `score` is the rule's."""
+
+    @staticmethod
+    def sampled(target: torch.Tensor) -> torch.Tensor:
+        return _sampled(target)
+
+    @staticmethod
+    def score(now: torch.Tensor, then: torch.Tensor) -> float:
+        return relative_change(now, then)
+
+
+ONE_PROCESS = OneProcessIndicator()
+
+
 class StepCache:
     """One run's step cache: the loop asks `call(sigma, key, mode)` before each model call and hands what it returns
     to the DiT's forward as `step_cache`; the DiT then calls `before_blocks`, `after_first_block` (the target rows to
@@ -126,9 +141,10 @@ class StepCache:
         self.num_layers = int(num_layers)
         self.sigmas = [float(s) for s in sigmas]
         self.records: list[tuple[float, float | None, bool]] = []  # per call: sigma, indicator, skipped
-        #: the indicator as every process of the run agrees on it: a run whose target rows are split over several
-        #: processes (sequence parallelism) sets an all-reduce max here, or the processes would decide differently
-        self.agree = lambda score: score
+        #: how the indicator is read and scored: `ONE_PROCESS` below; the ranks of a split run replace it with one
+        #: that reduces the indicator over their group before the decision (model/parallel/agreement.py), or they
+        #: would decide differently and wait on each other in the skipped blocks' collectives
+        self.indicator = ONE_PROCESS
         self._reset()
         self._key = self._last_sigma = None
         self._may_skip, self._sigma, self._before, self._anchor, self._indicator = False, None, None, None, None
@@ -187,7 +203,7 @@ class StepCache:
 
     def before_blocks(self, x: torch.Tensor, rows, control=None) -> None:
         """`control`: the call's Fun ControlNet stream (controlnet.ControlStream), or None."""
-        self._before = _sampled(self._targets(x, rows))
+        self._before = self.indicator.sampled(self._targets(x, rows))
         self._controlled = self._controlled or control is not None
         self._control = control if self.options.control == "recompute" else None
         if self._control is not None:  # a full pass takes the control's later skips out of the residual it keeps
@@ -197,9 +213,9 @@ class StepCache:
         """Block 0 ran (its output is `x`): the target rows `(samples * target_len, width)` to finish the call with
         when it is skipped, else None (and block 0's output is kept to take the residual from)."""
         target = self._targets(x, rows)
-        self._indicator = _sampled(target) - self._before
+        self._indicator = self.indicator.sampled(target) - self._before
         self._before = None
-        score = None if self._reference is None else self.agree(relative_change(self._indicator, self._reference))
+        score = None if self._reference is None else self.indicator.score(self._indicator, self._reference)
         skip = self._may_skip and score is not None and math.isfinite(score) and score < self.threshold
         self.records.append((self._sigma, score, skip))
         if not skip:
