@@ -38,8 +38,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_options import option_copy
-
 MODES = ("off", "t8", "extrapolate")
 #: What a skipped call does with the Fun ControlNet's later blocks: replay their skips inside the last full pass's
 #: residual, or run them and add their skips to the residual of the base blocks alone.
@@ -80,21 +78,6 @@ class StepCacheOptions:
 
     def threshold_for(self, edit: bool) -> float:
         return float(self.edit_threshold if edit else self.threshold)
-
-
-def step_cache_options(model) -> StepCacheOptions | None:
-    """The options a model copy carries (None: no step cache, the default)."""
-    return getattr(model, "step_cache", None)
-
-
-def with_step_cache(model, options: StepCacheOptions | None):
-    """`model` with these step-cache options, as a new model object sharing every weight (the model is never
-    changed). The prefix cache is unaffected, so the copy keeps the model's kept prefixes (`cache_base`)."""
-    if options is not None and options.mode == "off":
-        options = None
-    if options == step_cache_options(model):
-        return model
-    return option_copy(model, step_cache=options)
 
 
 def _sampled(target: torch.Tensor) -> torch.Tensor:
