@@ -2,10 +2,9 @@
 vocabulary (model/sampling/cache_options.py). Like the LoRA and ControlNet nodes it returns a model copy that
 shares every weight; both samplers (and a ComfyUI SAMPLER through them) read the options from the model."""
 
-from ..model.sampling.cache_options import with_cache_options
+from ..model.options import with_cache_options
 from ..model.transformer.cache_storage import CACHE_DEVICES, CACHE_DTYPES
 from .bridge import io
-from .parallel import refuse_split
 from .types import CATEGORY, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
@@ -50,6 +49,5 @@ class QI21CacheOptions(io.ComfyNode):
     @classmethod
     def execute(cls, model, device="auto", dtype="default", **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
-        refuse_split(model, "The Prefix Cache node")
         require(cls.validate_inputs(device=device, dtype=dtype))
         return io.NodeOutput(with_cache_options(model, device, dtype))

@@ -4,10 +4,10 @@ samplers then run the control on the steps of its window and keep the prefix cac
 
 from ..model.encoders.control import control_latents
 from ..model.loaders.controlnet import apply_controlnet, load_controlnet
+from ..model.options import with_options
 from . import bridge, placement
 from .bridge import io
 from .loaders import checked_path, default_dtype, file_changed_key, file_problem, load_or_free
-from .parallel import refuse_split
 from .types import CATEGORY, VAE, ControlNet, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
@@ -111,7 +111,6 @@ class QI21ControlNetApply(io.ComfyNode):
     def execute(cls, model, control_net, vae, strength=1.0, start_percent=0.0, end_percent=1.0, control_image=None,
                 inpaint_image=None, mask=None, **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
-        refuse_split(model, "The Fun ControlNet")
         require(cls.validate_inputs(start_percent=start_percent, end_percent=end_percent, strength=strength))
         given = {"control_image": control_image, "inpaint_image": inpaint_image, "mask": mask}
         inputs = tuple(name for name, value in given.items() if value is not None)
@@ -126,5 +125,10 @@ class QI21ControlNetApply(io.ComfyNode):
             with placement.on_device(vae):
                 return control_latents(vae, grid, control_image, inpaint_image, mask)
 
-        return io.NodeOutput(apply_controlnet(model, control_net, hint_for, strength, start_percent, end_percent,
-                                              inputs=inputs))
+        def build(whole):
+            return apply_controlnet(whole, control_net, hint_for, strength, start_percent, end_percent, inputs=inputs)
+
+        if strength == 0.0 or not inputs:  # the model itself, as core does (no control on the record either)
+            return io.NodeOutput(model)
+        return io.NodeOutput(with_options(model, build=build, control=getattr(control_net, "source", None) or
+                                          "a Fun ControlNet"))

@@ -15,6 +15,7 @@ from ..model.loaders.fingerprint import file_fingerprint
 from ..model.loaders.text_encoder import load_text_encoder
 from ..model.loaders.vae import load_vae
 from ..model.memory.planner import PLAN_CHOICES
+from ..model.options import ModelOptions, pair_problem, with_options
 from ..model.transformer.compiled import COMPILE_MODES, compile_blocks
 from . import bridge
 from .bridge import io
@@ -133,6 +134,18 @@ def load_or_free(loader, *args, **kwargs):
         raise
 
 
+def loader_pairs_problem(compile=None, devices=None, parallel=None, plan=None, **_) -> str | None:  # noqa: A002
+    """The table of pairs (model/options.py) on the loader's own inputs, before anything loads: compile or plan with
+    devices is refused here, by name. Inputs not given (linked, or left out) are taken as their defaults."""
+    named = ", ".join(part.strip() for part in (devices or "").split(",") if part.strip())
+    try:
+        record = ModelOptions(compile=compile or "off", plan=plan or "auto",
+                              devices=(named,) if named else (), parallel=parallel or "off")
+    except ValueError:
+        return None  # a value outside its list: widget_problem names it
+    return pair_problem(record)
+
+
 class QI21ModelLoader(io.ComfyNode):
     """The Qwen-Image 2.1 DiT (Base or Turbo), from a ComfyUI single file or a diffusers folder."""
 
@@ -173,7 +186,8 @@ class QI21ModelLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name=None, **kwargs):
-        return file_problem(cls, "diffusion_models", model_name, **kwargs)
+        problem = file_problem(cls, "diffusion_models", model_name, **kwargs)
+        return problem if problem is not True else loader_pairs_problem(**kwargs) or True
 
     @classmethod
     def fingerprint_inputs(cls, model_name=None, **kwargs):
@@ -185,15 +199,15 @@ class QI21ModelLoader(io.ComfyNode):
         refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "diffusion_models", model_name, weight_dtype=weight_dtype, attention=attention,
                              plan=plan, compile=compile, parallel=parallel)
+        require(loader_pairs_problem(compile=compile, devices=devices, parallel=parallel, plan=plan) or True)
+        chosen = dict(compile=compile, plan=plan, weights=weight_dtype)  # the model's options record (model/options.py)
         split = split_model(devices, parallel, path, weight_dtype, attention)
         if split is not None:  # loaded by the workers on their devices, on the first run (nodes/parallel.py)
             bridge.log.info("qi21: %s will run split over %s (%s)", path.name, ", ".join(split.devices), parallel)
-            return io.NodeOutput(split)
-        weight_dtype = default_dtype(weight_dtype, bridge.compute_device())
-        model = load_or_free(load_dit, path, weight_dtype=weight_dtype, device=bridge.offload_device(),
-                             attention=attention)
-        model.plan_choice = plan  # read by the samplers' memory planner (nodes/placement.py)
-        compile_blocks(model, compile)
+            return io.NodeOutput(with_options(split, devices=split.devices, parallel=parallel, **chosen))
+        model = load_or_free(load_dit, path, weight_dtype=default_dtype(weight_dtype, bridge.compute_device()),
+                             device=bridge.offload_device(), attention=attention)
+        model = with_options(model, fresh=True, build=lambda new: compile_blocks(new, compile), **chosen)
         bridge.log.info("qi21: loaded %s (%s layout, variant %s from %s)", path.name, model.source.layout,
                         model.source.variant, model.source.variant_from)
         return io.NodeOutput(model)

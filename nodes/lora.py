@@ -6,7 +6,7 @@ that uses the model without the LoRA gets the model without the LoRA.
 """
 
 from ..model.loaders.lora import apply_lora
-from ..model.parallel.split import SplitModel
+from ..model.options import options_of, with_options
 from . import bridge
 from .bridge import io
 from .loaders import checked_path, file_changed_key, file_problem, load_or_free
@@ -55,7 +55,12 @@ class QI21LoraLoader(io.ComfyNode):
     def execute(cls, model, lora_name, strength, **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "loras", lora_name, strength=strength)
-        if isinstance(model, SplitModel):  # the workers apply it when they build the chain (model/parallel/split.py)
-            return io.NodeOutput(model.with_lora(path, strength, name=lora_name))
-        return io.NodeOutput(load_or_free(apply_lora, model, path, strength, name=lora_name))
+        record = options_of(model)
+        if record.split:  # the workers apply it when they build the chain (model/parallel/split.py)
+            def build(split):
+                return split.with_lora(path, strength, name=lora_name)
+        else:
+            def build(whole):
+                return load_or_free(apply_lora, whole, path, strength, name=lora_name)
+        return io.NodeOutput(with_options(model, build=build, loras=record.loras + ((lora_name, float(strength)),)))
 

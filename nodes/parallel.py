@@ -57,10 +57,3 @@ def sample_split(model: SplitModel, positive, progress, **options):
     bridge.load_managed(_token, lambda: _token, on_unload=lambda _: pools.close_pools(), what="Qwen-Image 2.1 workers")
     return model.sample(positive, check_interrupt=bridge.throw_if_interrupted,
                         on_progress=lambda done, total: progress.update(done), **options)
-
-
-def refuse_split(model, node: str) -> None:
-    """A clear error for a node that needs the model in this process (it changes the model's modules or options)."""
-    if isinstance(model, SplitModel):
-        raise ValueError(f"{node} does not work with a model run in worker processes (devices "
-                         f"{', '.join(model.devices)}) yet; leave the loader's devices empty to use it.")

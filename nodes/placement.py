@@ -20,7 +20,7 @@ from ..model.memory.estimate import EncoderDims, VAEShape, encode_transient
 from ..model.memory.planner import PLAN_CHOICES, Budget, RunShape, plan_decode, plan_layers, plan_run
 from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
 from ..model.memory.weights import dit_weights, layered_weights, module_tensors, run_layers, tensor_bytes
-from ..model.sampling.cache_options import cache_options
+from ..model.options import options_of
 from ..model.sampling.cache_store import PrefixCacheStore, cache_owner
 from ..model.transformer.controlnet import STREAM_ROW_BUFFERS
 from ..model.vae.latents import latent_shape
@@ -103,7 +103,7 @@ def run_shape(model, positive, negative, width: int, height: int, batch: int, pr
     return RunShape(tuple(c.layout(grid).prefix_len for c in conditionings), grid, batch, negative is not None,
                     prefix_cache, tuple(h * w for h, w in positive.ref_shapes), cache_layers=cache_layers,
                     extra_row_buffers=0 if control is None else STREAM_ROW_BUFFERS,
-                    cache_dtype=cache_options(model).dtype)
+                    cache_dtype=options_of(model).cache.dtype)
 
 
 def dit_unloaded(model) -> None:
@@ -118,14 +118,14 @@ def plan_sampling(model, positive, negative, width: int, height: int, batch: int
     nothing fits. Reads memory only: nothing is allocated or moved."""
     device = bridge.compute_device()
     budget = memory_budget(device, modules=[model], tensors=KEPT_CACHES.payloads())
-    choice = getattr(model, "plan_choice", "auto")
+    choice = options_of(model).plan
     if choice not in PLAN_CHOICES:
         choice = "auto"
     weights = dit_weights(model)
     itemsize = model.compute_dtype.itemsize
     run = run_shape(model, positive, negative, width, height, batch, prefix_cache)
     plan = plan_run(weights, model.config, run, budget, itemsize, choice, VAEShape.released(itemsize),
-                    cache_choice=cache_options(model).device)
+                    cache_choice=options_of(model).cache.device)
     return Sampling(model, plan, weights)
 
 

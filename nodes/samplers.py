@@ -5,8 +5,7 @@ import json
 import torch
 
 from ..model.layers.kitchen import gemm_summary
-from ..model.parallel.split import SplitModel
-from ..model.sampling.cache_options import cache_options
+from ..model.options import options_of
 from ..model.sampling.img2img import (
     check_denoise,
     check_latent,
@@ -17,7 +16,6 @@ from ..model.sampling.img2img import (
 )
 from ..model.sampling.loop import initial_noise, sample
 from ..model.sampling.schedule import base_sigmas, literal_sigmas, schedule_mu, turbo_sigmas
-from ..model.sampling.step_cache import step_cache_options
 from ..model.vae.latents import (
     LATENT_CHANNELS,
     LATENT_TOKEN_PIXELS,
@@ -155,7 +153,8 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     if raw is None and sigmas[0].item() < 1.0:
         # as ComfyUI does with an empty latent: the start mixes noise with an all-zero (raw) image
         raw = torch.zeros(1, LATENT_CHANNELS, *latent_shape(width, height))
-    options = cache_options(model)  # a Qwen-Image 2.1 Prefix Cache node upstream (nodes/cache.py)
+    record = options_of(model)  # what rides on the model: loader inputs and option nodes upstream (model/options.py)
+    options = record.cache  # a Qwen-Image 2.1 Prefix Cache node upstream (nodes/cache.py)
     cached = prefix_cache == "on" and options.device != "off"
     if prefix_cache == "on" and not cached:
         notes.append("prefix cache off: the Prefix Cache node's device is off (every step recomputes the prefix)")
@@ -164,7 +163,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
 
     # a SAMPLER is checked before anything is loaded; its model_sampling is shifted as the official schedule is
     runner = sampler_name = None
-    split = isinstance(model, SplitModel)  # the DiT runs in worker processes (nodes/parallel.py)
+    split = record.split  # the DiT runs in worker processes (nodes/parallel.py)
     if split and sampler_object is not None:
         raise ValueError("the sampler input (a ComfyUI SAMPLER) runs in ComfyUI's process and cannot drive a model "
                          "run in worker processes (the loader's devices); disconnect it or leave devices empty.")
@@ -192,14 +191,14 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
         result = parallel.sample_split(model, positive, progress, sigmas=sigmas, width=width, height=height,
                                        noise=noise, negative=negative, cfg=cfg, prefix_cache=cached,
                                        keep_cache=keep_cache, latent_image=start, noise_mask=noise_mask,
-                                       add_noise=add_noise, cache_dtype=options.dtype)
+                                       add_noise=add_noise, cache_dtype=options.dtype, step_cache=record.step_cache)
     else:
         with job.placed():
             result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise,
                             negative=negative, cfg=cfg, prefix_cache=cached, keep_cache=keep_cache, callback=on_step,
                             check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
                             add_noise=add_noise, new_cache=job.new_cache, store=job.store, sampler=runner,
-                            cache_dtype=options.dtype, step_cache=step_cache_options(model))
+                            cache_dtype=options.dtype, step_cache=record.step_cache)
     report = dict(result.report)
     if sampler_name is not None:
         report["sampler"] = sampler_name

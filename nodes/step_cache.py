@@ -2,6 +2,7 @@
 (model/sampling/step_cache.py has the rule). Like the Prefix Cache node it returns a model copy that shares every
 weight; both samplers (and a ComfyUI SAMPLER through them) read the options from the model."""
 
+from ..model.options import with_options
 from ..model.sampling.step_cache import (
     CONTROL_MODES,
     EDIT_THRESHOLD,
@@ -11,7 +12,6 @@ from ..model.sampling.step_cache import (
     START_PERCENT,
     THRESHOLD,
     StepCacheOptions,
-    with_step_cache,
 )
 from .bridge import io
 from .types import CATEGORY, Model
@@ -87,4 +87,4 @@ class QI21StepCache(io.ComfyNode):
                                     control=control))
         options = StepCacheOptions(mode, float(threshold), float(edit_threshold), float(start_percent),
                                    float(end_percent), int(max_skips), control)
-        return io.NodeOutput(with_step_cache(model, options))
+        return io.NodeOutput(with_options(model, step_cache=options))

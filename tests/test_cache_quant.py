@@ -14,7 +14,7 @@ from qi21.model.memory.estimate import GIB
 from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.memory.planner import Budget, RunShape, plan_run, run_estimate
 from qi21.model.memory.weights import synthetic_dit_weights
-from qi21.model.sampling.cache_options import cache_options, with_cache_options
+from qi21.model.options import options_of, with_cache_options
 from qi21.model.sampling.cache_store import PrefixCacheStore, cache_owner
 from qi21.model.sampling.loop import initial_noise
 from qi21.model.transformer.cache_storage import QuantizedRows, cache_row_bytes, cache_storage
@@ -184,7 +184,7 @@ def test_quantized_caches_change_the_latents_by_their_rounding_only(model):
 def test_options_copy_shares_the_weights_and_keys_caches_by_the_model(model):
     assert with_cache_options(model) is model
     copy = with_cache_options(model, "cpu", "int8")
-    assert copy is not model and cache_options(copy).dtype == "int8" and cache_options(model).dtype == "default"
+    assert copy is not model and options_of(copy).cache.dtype == "int8" and options_of(model).cache.dtype == "default"
     assert cache_owner(copy) is model
     assert all(a is b for a, b in zip(copy.parameters(), model.parameters()))
     with pytest.raises(ValueError, match="device must be one of auto, gpu, cpu, off; got 'vram'"):
@@ -210,7 +210,7 @@ def test_a_model_too_narrow_for_int4_is_refused_at_the_node():
                                       axes_dims_rope=(4, 14, 14)))
     with pytest.raises(ValueError, match="dtype int4: an int4 prefix cache needs heads x head_dim divisible by 64"):
         with_cache_options(narrow, "auto", "int4")
-    assert cache_options(with_cache_options(narrow, "auto", "int8")).dtype == "int8"
+    assert options_of(with_cache_options(narrow, "auto", "int8")).cache.dtype == "int8"
 
 
 def test_the_default_cache_reports_fp32_bytes_of_every_prefix_row(model):

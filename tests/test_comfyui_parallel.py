@@ -1,7 +1,8 @@
 """The model split over two CPU ranks inside a real ComfyUI server: a /prompt whose loader names `devices` cpu,cpu and
 `parallel` ulysses gives the image the single-process prompt gives, the workers stay for the next prompt, a worker
 killed mid-run gives an error naming it and its step and the next prompt starts clean workers, /interrupt stops the
-ranks and keeps them, CFG-parallel draws what one process draws, and /free ends them.
+ranks and keeps them, CFG-parallel draws what one process draws, a Step Cache on the split model skips what one process
+skips, compile with devices is refused by name at validation, and /free ends them.
 
 Skipped unless a ComfyUI checkout is configured (tests/test_comfyui_server.py's docstring has the set-up); shares that
 module's server. Linux only where it counts the workers (children of the server that multiprocessing spawned).
@@ -162,6 +163,45 @@ def test_cfg_parallel_draws_what_one_process_draws(server):
     difference = np.abs(image(server, got).astype(int) - image(server, single).astype(int))
     assert difference.max() <= 1 and (difference > 0).mean() < 0.01, (difference.max(), (difference > 0).mean())
     assert report(got)["parallel"]["mode"] == "cfg" and len(workers(server)) == 2
+
+
+def with_step_cache(prompt: dict, threshold: float = 1.0) -> dict:
+    """`prompt` with a Step Cache node between its loader and its sampler (skips every step the rule allows where the
+    tiny random model's indicator is below `threshold`, the widget's largest)."""
+    prompt = copy.deepcopy(prompt)
+    loader = next(k for k, n in prompt.items() if n["class_type"] == "QI21ModelLoader")
+    prompt["qi21_step_cache"] = {"class_type": "QI21StepCache", "inputs": {
+        "model": [loader, 0], "mode": "t8", "threshold": threshold, "edit_threshold": threshold, "start_percent": 0.0,
+        "end_percent": 1.0, "max_skips": 2}}
+    for node in prompt.values():
+        if node["class_type"] in harness.SAMPLERS:
+            node["inputs"]["model"] = ["qi21_step_cache", 0]
+    return prompt
+
+
+def test_a_step_cache_on_a_cpu_cpu_model_draws_what_one_process_draws(server, turbo):
+    """The ranks reduce the indicator over their group (model/parallel/agreement.py): they skip the steps one process
+    skips, and the image is the same."""
+    single = server.run_prompt(with_step_cache(turbo))
+    assert single["status"]["status_str"] == "success", server.log_tail()
+    got = server.run_prompt(with_step_cache(split(turbo)))
+    assert got["status"]["status_str"] == "success", server.log_tail()
+    pattern = report(single)["step_cache"]["pattern"]
+    assert report(got)["step_cache"]["pattern"] == pattern and "S" in pattern, (pattern, report(got)["step_cache"])
+    assert np.array_equal(image(server, got), image(server, single))
+
+
+def test_compile_with_devices_is_refused_by_name_before_anything_runs(server, turbo):
+    prompt = split(turbo)
+    next(n for n in prompt.values() if n["class_type"] == "QI21ModelLoader")["inputs"]["compile"] = "blocks"
+    try:
+        answer = server.post_json("/prompt", {"prompt": prompt, "client_id": "qi21-parallel"})
+    except AssertionError as refused:  # HTTP 400: ComfyUI's validation, with the node's message
+        message = str(refused)
+    else:
+        raise AssertionError(f"the prompt was queued: {answer}")
+    assert "the Model Loader's compile and the Model Loader's devices / parallel do not work together" in message, \
+        message
 
 
 def test_free_ends_the_workers(server, turbo):

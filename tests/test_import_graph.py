@@ -22,6 +22,7 @@ LAYERS = (
     ("model.memory",),
     ("model.sampling",),
     ("model.parallel",),  # Ulysses over several processes: runs the sampling loop on each rank
+    ("model.options",),  # the options record on a model copy and the table of feature pairs
     ("nodes.comfy_standin",),
     ("nodes.bridge",),
     ("nodes.types", "nodes.validation"),

@@ -20,6 +20,7 @@ from qi21.model.memory.planner import (
     spread,
 )
 from qi21.model.memory.weights import dit_weights, synthetic_dit_weights
+from qi21.model.options import options_of
 from qi21.model.transformer.dit import DiTConfig
 from qi21.nodes import bridge, placement
 from qi21.nodes.decode import QI21VAEDecode
@@ -199,7 +200,7 @@ def test_a_tight_budget_streams_and_the_latents_are_bit_identical(monkeypatch):
 
 def test_the_loader_plan_option_reaches_the_sampler(models_root):
     streamed = QI21ModelLoader.execute(gf.SINGLE["turbo"], "fp32", "auto", "stream")[0]
-    assert streamed.plan_choice == "stream"
+    assert options_of(streamed).plan == "stream"
     out = QI21TurboSampler.execute(streamed, gf.synthetic_conditioning(), 0, 64, 64, 1)
     assert out.ui["qi21_report"][0]["plan"]["weights"] == "streamed 0/2"
     resident = QI21ModelLoader.execute(gf.SINGLE["turbo"], "fp32")[0]

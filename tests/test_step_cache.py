@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from qi21.model.encoders.conditioning import Conditioning
+from qi21.model.options import options_of, with_options
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
-from qi21.model.sampling.step_cache import StepCache, StepCacheOptions, step_cache_options, with_step_cache
+from qi21.model.sampling.step_cache import StepCache, StepCacheOptions
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
 from tolerances import same
 
@@ -85,8 +86,8 @@ def test_the_node_off_and_at_zero_returns_an_exact_model(model):
 
     assert QI21StepCache.execute(model, "off")[0] is model
     zero = QI21StepCache.execute(model, "t8", 0.0, 0.0)[0]
-    assert zero is not model and step_cache_options(zero).threshold == 0.0
-    assert torch.equal(run(zero, steps=6, step_cache=step_cache_options(zero)).latents, run(model, steps=6).latents)
+    assert zero is not model and options_of(zero).step_cache.threshold == 0.0
+    assert torch.equal(run(zero, steps=6, step_cache=options_of(zero).step_cache).latents, run(model, steps=6).latents)
 
 
 # -- what a skipped call computes --------------------------------------------------------------------------------------
@@ -202,10 +203,10 @@ def controlled(model, tmp_path_factory):
 
 
 def test_the_fun_controlnet_reuses_its_skips_and_restarts_where_its_window_changes(model, controlled):
-    whole = controlled((0.0, 1.0), with_step_cache(model, ALWAYS))  # the option rides on the controlled copy
-    assert step_cache_options(whole) == ALWAYS
+    whole = controlled((0.0, 1.0), with_options(model, step_cache=ALWAYS))  # the option rides on the controlled copy
+    assert options_of(whole).step_cache == ALWAYS
     second_control_block = count_calls(whole.control_net.blocks[1])  # runs after base block 2
-    result = run(whole, step_cache=step_cache_options(whole))
+    result = run(whole, step_cache=options_of(whole).step_cache)
     assert result.report["step_cache"]["pattern"] == PATTERN_20 and len(second_control_block) == 10
     # a window 0.2-0.8 (ComfyUI's shifted percents): a call whose control differs from the last full pass's is full
     windowed = run(controlled((0.2, 0.8)), step_cache=ALWAYS).report
@@ -352,15 +353,16 @@ def test_the_node_checks_its_window_and_the_copy_keeps_the_models_prefix(model):
     with pytest.raises(ValueError, match="start_percent"):
         QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.5, 0.5, 2)
     copy = QI21StepCache.execute(model, "extrapolate", 0.1, 0.02, 0.2, 0.9, 3)[0]
-    assert step_cache_options(copy) == StepCacheOptions("extrapolate", 0.1, 0.02, 0.2, 0.9, 3)
-    assert step_cache_options(copy).control == "reuse"  # a workflow saved before the control input: as it was
+    assert options_of(copy).step_cache == StepCacheOptions("extrapolate", 0.1, 0.02, 0.2, 0.9, 3)
+    assert options_of(copy).step_cache.control == "reuse"  # a workflow saved before the control input: as it was
     recompute = QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "recompute")[0]
-    assert step_cache_options(recompute).control == "recompute"
+    assert options_of(recompute).step_cache.control == "recompute"
     with pytest.raises(ValueError, match="control"):
         QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "again")
-    assert step_cache_options(model) is None and copy.blocks[0].qkv.weight is model.blocks[0].qkv.weight
+    assert options_of(model).step_cache is None and copy.blocks[0].qkv.weight is model.blocks[0].qkv.weight
     assert PrefixCacheStore.key(copy, dtype=torch.float32) == PrefixCacheStore.key(model, dtype=torch.float32)
-    assert with_step_cache(copy, None) is not copy and step_cache_options(with_step_cache(copy, None)) is None
+    cleared = with_options(copy, step_cache=None)
+    assert cleared is not copy and options_of(cleared).step_cache is None
 
 
 def test_the_benchmark_measures_exact_as_exact_through_the_nodes(benchmark_script, tiny_models):

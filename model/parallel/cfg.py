@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..transformer.prefix_cache import PrefixKVCache
+from .agreement import CfgIndicator
 from .ulysses import all_gather_single
 
 
@@ -30,6 +31,13 @@ class CfgParallel:
             raise ValueError(f"parallel cfg runs CFG's two prompts on two devices; got {self.world} devices. Use "
                              "ulysses for more.")
         self.scale: float | None = None  # the run's cfg; None: no guidance (rank 0's velocity for both)
+        self.edit = False  # whether the run's positive prompt has references (the step cache's threshold)
+
+    def join_step_cache(self, step_cache) -> None:
+        """Make the run's step cache decide as one process would: the larger indicator of the two prompts, against
+        the positive prompt's threshold on both ranks (parallel/agreement.py)."""
+        step_cache.indicator = CfgIndicator(self)
+        step_cache.threshold = step_cache.options.threshold_for(self.edit)
 
     def new_cache(self) -> PrefixKVCache:
         return PrefixKVCache()

@@ -48,6 +48,7 @@ class SplitModel:
     source: object = None
     hang_seconds: float = 600.0
     threads: int | None = None
+    options: object = None  # the model's options record (model/options.py; set by `with_options`, not in `key`)
 
     @property
     def key(self) -> tuple:

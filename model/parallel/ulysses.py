@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..transformer.attention import target_attention
 from ..transformer.prefix_cache import LayerKV, PrefixKVCache
+from .agreement import UlyssesIndicator
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); torch >= 2.4 is supported, so take what exists
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -116,10 +117,15 @@ class Ulysses:
         self.num_heads = num_heads
         share = num_heads // self.world
         self.heads = slice(self.rank * share, (self.rank + 1) * share)
+        self.target_len = 0  # each sample's target rows in the forward being run (set by `shard`)
 
     def new_cache(self) -> HeadShardedKVCache:
         """The prefix cache a sampling run on this rank fills (`sample(new_cache=...)`)."""
         return HeadShardedKVCache(self.heads, self.num_heads)
+
+    def join_step_cache(self, step_cache) -> None:
+        """Make the run's step cache decide as one process would, over the ranks' rows (parallel/agreement.py)."""
+        step_cache.indicator = UlyssesIndicator(self)
 
     def local_rows(self, target_len: int) -> int:
         """Target rows per sample on each rank: T padded up to a multiple of N, divided by N."""
@@ -129,6 +135,7 @@ class Ulysses:
     def shard(self, x: torch.Tensor, rows):
         """The row buffer and its `Rows` with each sample's target rows cut to this rank's share."""
         samples, length = rows.samples, rows.target_len
+        self.target_len = length
         local = self.local_rows(length)
         first = self.rank * local
         t0 = rows.target_start

@@ -103,6 +103,7 @@ def _own_prompt(split: CfgParallel, rank: int, options: dict) -> dict:
         raise ValueError(f"cfg must be >= 1 (1 disables guidance); got {cfg}.")
     guided = negative is not None and cfg > 1.0
     split.scale = cfg if guided else None
+    split.edit = bool(options["positive"].ref_shapes)  # before rank 1 takes the negative: one threshold for both
     if guided and rank == 1:
         options["positive"] = negative
     return options

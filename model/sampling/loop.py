@@ -293,6 +293,8 @@ def sample(
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
     # an edit (references present) changes less per step, so T8's rule asks a smaller change of it
     skipper = StepCache.for_run(step_cache, sigmas, edit=bool(positive.ref_shapes), num_layers=model.config.num_layers)
+    if skipper is not None and getattr(model, "parallel", None) is not None:  # ranks decide together (parallel/)
+        model.parallel.join_step_cache(skipper)
 
     def step_cache_for(sigma: float, phase: bool, mode: str):
         return None if skipper is None else skipper.call(sigma, key=phase, mode=mode)

@@ -38,8 +38,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_options import option_copy
-
 MODES = ("off", "t8", "extrapolate")
 #: What a skipped call does with the Fun ControlNet's later blocks: replay their skips inside the last full pass's
 #: residual, or run them and add their skips to the residual of the base blocks alone.
@@ -82,21 +80,6 @@ class StepCacheOptions:
         return float(self.edit_threshold if edit else self.threshold)
 
 
-def step_cache_options(model) -> StepCacheOptions | None:
-    """The options a model copy carries (None: no step cache, the default)."""
-    return getattr(model, "step_cache", None)
-
-
-def with_step_cache(model, options: StepCacheOptions | None):
-    """`model` with these step-cache options, as a new model object sharing every weight (the model is never
-    changed). The prefix cache is unaffected, so the copy keeps the model's kept prefixes (`cache_base`)."""
-    if options is not None and options.mode == "off":
-        options = None
-    if options == step_cache_options(model):
-        return model
-    return option_copy(model, step_cache=options)
-
-
 def _sampled(target: torch.Tensor) -> torch.Tensor:
     """`(B, T, width)` -> fp32 `(B, ceil(T/8), ceil(width/8))`: the rows and channels the indicator reads."""
     return target[:, ::STRIDE, ::STRIDE].to(torch.float32, copy=True)  # a copy: blocks change the buffer in place
@@ -107,6 +90,21 @@ def relative_change(now: torch.Tensor, then: torch.Tensor) -> float:
     axes = tuple(range(1, now.ndim))
     per_sample = (now - then).abs().mean(axes) / then.abs().mean(axes).clamp_min(1e-6)
     return float(per_sample.max())
+
+
+class OneProcessIndicator:
+    """The indicator of a run in one process: every target row is here (`sampled`), and `score` is the rule's."""
+
+    @staticmethod
+    def sampled(target: torch.Tensor) -> torch.Tensor:
+        return _sampled(target)
+
+    @staticmethod
+    def score(now: torch.Tensor, then: torch.Tensor) -> float:
+        return relative_change(now, then)
+
+
+ONE_PROCESS = OneProcessIndicator()
 
 
 class StepCache:
@@ -126,9 +124,10 @@ class StepCache:
         self.num_layers = int(num_layers)
         self.sigmas = [float(s) for s in sigmas]
         self.records: list[tuple[float, float | None, bool]] = []  # per call: sigma, indicator, skipped
-        #: the indicator as every process of the run agrees on it: a run whose target rows are split over several
-        #: processes (sequence parallelism) sets an all-reduce max here, or the processes would decide differently
-        self.agree = lambda score: score
+        #: how the indicator is read and scored: `ONE_PROCESS` below; the ranks of a split run replace it with one
+        #: that reduces the indicator over their group before the decision (model/parallel/agreement.py), or they
+        #: would decide differently and wait on each other in the skipped blocks' collectives
+        self.indicator = ONE_PROCESS
         self._reset()
         self._key = self._last_sigma = None
         self._may_skip, self._sigma, self._before, self._anchor, self._indicator = False, None, None, None, None
@@ -187,7 +186,7 @@ class StepCache:
 
     def before_blocks(self, x: torch.Tensor, rows, control=None) -> None:
         """`control`: the call's Fun ControlNet stream (controlnet.ControlStream), or None."""
-        self._before = _sampled(self._targets(x, rows))
+        self._before = self.indicator.sampled(self._targets(x, rows))
         self._controlled = self._controlled or control is not None
         self._control = control if self.options.control == "recompute" else None
         if self._control is not None:  # a full pass takes the control's later skips out of the residual it keeps
@@ -197,9 +196,9 @@ class StepCache:
         """Block 0 ran (its output is `x`): the target rows `(samples * target_len, width)` to finish the call with
         when it is skipped, else None (and block 0's output is kept to take the residual from)."""
         target = self._targets(x, rows)
-        self._indicator = _sampled(target) - self._before
+        self._indicator = self.indicator.sampled(target) - self._before
         self._before = None
-        score = None if self._reference is None else self.agree(relative_change(self._indicator, self._reference))
+        score = None if self._reference is None else self.indicator.score(self._indicator, self._reference)
         skip = self._may_skip and score is not None and math.isfinite(score) and score < self.threshold
         self.records.append((self._sigma, score, skip))
         if not skip:
