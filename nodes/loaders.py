@@ -18,7 +18,7 @@ from ..model.memory.planner import PLAN_CHOICES
 from ..model.transformer.compiled import COMPILE_MODES, compile_blocks
 from . import bridge
 from .bridge import io
-from .parallel import DEVICES_TOOLTIP, PARALLEL_MODES, PARALLEL_TOOLTIP, split_model
+from .parallel import DEVICES_TOOLTIP, PARALLEL_MODES, PARALLEL_TOOLTIP, rank_problem, split_model
 from .placement import PLAN_TOOLTIP
 from .types import CATEGORY, VAE, Model, TextEncoder
 from .validation import refuse_unknown_inputs, require, widget_problem
@@ -172,8 +172,12 @@ class QI21ModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, model_name=None, **kwargs):
-        return file_problem(cls, "diffusion_models", model_name, **kwargs)
+    def validate_inputs(cls, model_name=None, devices="", parallel="off", **kwargs):
+        problem = file_problem(cls, "diffusion_models", model_name, devices=devices, parallel=parallel, **kwargs)
+        if problem is not True or (devices in ("", None) and parallel == "off"):
+            return problem
+        path = bridge.model_path("diffusion_models", model_name) if model_name is not None else None
+        return rank_problem(devices, parallel, path) or True  # before any worker starts (nodes/parallel.py)
 
     @classmethod
     def fingerprint_inputs(cls, model_name=None, **kwargs):
