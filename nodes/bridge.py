@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ..model.loaders.safetensors_io import shown
+
 log = logging.getLogger("qi21")
 
 try:  # inside ComfyUI
@@ -190,12 +192,12 @@ def device_problem(name, what: str = "device") -> str | None:
         return None
     listed = f"expected one of {', '.join(choices)}"
     kind, _, index = str(name).partition(":")
-    if kind == "cuda" and index.isdigit():
+    if kind == "cuda" and index.isascii() and index.isdigit() and len(index) < 5:
         count = gpu_count()
         seen = f"{count} GPU{'s' if count != 1 else ''}" if count else "no GPU"
         return (f"{what} = {name!r}: this machine has no GPU {name} (torch sees {seen}); {listed}. The workflow was "
                 "probably saved on a machine with more GPUs.")
-    return f"{what} = {name!r}: {listed}."
+    return f"{what} = {shown(name, 60) if isinstance(name, str) else repr(name)[:60]}: {listed}."
 
 
 def chosen_device(name, what: str = "device") -> torch.device | None:

@@ -19,7 +19,7 @@ from ..model.options import ModelOptions, pair_problem, with_options
 from ..model.transformer.compiled import COMPILE_MODES, compile_blocks
 from . import bridge
 from .bridge import io
-from .parallel import DEVICES_TOOLTIP, PARALLEL_MODES, PARALLEL_TOOLTIP, split_model
+from .parallel import DEVICES_TOOLTIP, PARALLEL_MODES, PARALLEL_TOOLTIP, rank_problem, split_model
 from .placement import PLAN_TOOLTIP
 from .types import CATEGORY, VAE, Model, TextEncoder
 from .validation import refuse_unknown_inputs, require, widget_problem
@@ -185,9 +185,14 @@ class QI21ModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, model_name=None, **kwargs):
-        problem = file_problem(cls, "diffusion_models", model_name, **kwargs)
-        return problem if problem is not True else loader_pairs_problem(**kwargs) or True
+    def validate_inputs(cls, model_name=None, devices="", parallel="off", **kwargs):
+        problem = file_problem(cls, "diffusion_models", model_name, devices=devices, parallel=parallel, **kwargs)
+        if problem is not True:
+            return problem
+        if devices not in ("", None) or parallel != "off":
+            path = bridge.model_path("diffusion_models", model_name) if model_name is not None else None
+            problem = rank_problem(devices, parallel, path)  # before any worker starts (nodes/parallel.py)
+        return problem or loader_pairs_problem(devices=devices, parallel=parallel, **kwargs) or True
 
     @classmethod
     def fingerprint_inputs(cls, model_name=None, **kwargs):

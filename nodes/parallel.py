@@ -4,7 +4,7 @@ inputs, the samplers' run on the workers, and ComfyUI's "free memory" ending the
 import torch
 
 from ..model.parallel import pool as pools
-from ..model.parallel.pool import parse_devices
+from ..model.parallel.ranks import check_ranks, file_heads, parse_devices
 from ..model.parallel.split import PARALLEL_MODES, SplitModel, load_dit_on
 from . import bridge
 
@@ -29,23 +29,37 @@ class _PoolToken(torch.nn.Module):
 _token = _PoolToken()
 
 
+def rank_list(devices: str, parallel: str, path) -> tuple[str, ...]:
+    """The checked rank list of the loader's `devices` / `parallel` for the DiT at `path` (() for a model in this
+    process): the text, the count (at most `ranks.MAX_RANKS`), each device, the mode's count and the heads rule, all
+    before a worker starts (model/parallel/ranks.py); a ValueError naming the input otherwise."""
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}; got {str(parallel)[:40]!r}.")
+    names = parse_devices(devices or "")
+    if not names and parallel == "off":
+        return ()
+    heads = file_heads(path) if parallel == "ulysses" and path is not None else None
+    check_ranks(names, parallel, bridge.gpu_count(), heads)
+    return names
+
+
+def rank_problem(devices, parallel, path) -> str | None:
+    """`validate_inputs`' check of `devices` / `parallel` (None for a linked value: checked again when the loader
+    runs): the prompt is refused before it is queued, so no worker is ever started for it."""
+    if devices is None or parallel is None:
+        return None
+    try:
+        rank_list(devices, parallel, path)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def split_model(devices: str, parallel: str, path, weight_dtype: str, attention: str) -> SplitModel | None:
     """The loader's `SplitModel` for `devices` / `parallel`, or None for a model in this process (the default)."""
-    if parallel not in PARALLEL_MODES:
-        raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}; got {parallel!r}.")
-    names = parse_devices(devices or "")
-    if parallel == "off":
-        if not names:
-            return None
-        if len(names) > 1:
-            raise ValueError(f"devices = {devices!r} names {len(names)} devices with parallel off; name one (the DiT "
-                             "on a device of its own) or choose ulysses or cfg to split it over them.")
-    if parallel == "cfg" and len(names) != 2:
-        raise ValueError(f"parallel = cfg runs CFG's two prompts on two devices; devices names {len(names)} "
-                         f"({devices!r}). Use ulysses for more.")
-    if len(names) < 2 and parallel != "off":
-        raise ValueError(f"parallel = {parallel} needs at least two devices in devices (e.g. cuda:0,cuda:1); got "
-                         f"{devices!r}.")
+    names = rank_list(devices, parallel, path)
+    if not names:
+        return None
     if weight_dtype == "default" and names[0] == "cpu":  # as the single-device loader does on a CPU
         weight_dtype = "fp32"
     return SplitModel(devices=names, build=load_dit_on, args=(str(path), weight_dtype, attention), mode=parallel)

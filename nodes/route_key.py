@@ -21,6 +21,13 @@ Any other node met on the way (a primitive, an image operation between LoadImage
 its class and all its inputs, links followed the same way, LoadImage files by content. The key is SHA-256 of the
 canonical JSON of that description: equal graphs (up to words, seeds, sizes and the other sampler settings) give
 equal keys on any machine. It is a routing hint, not the exact `prefix_key` of the report (docs/many-workers.md).
+
+The work is bounded by the graph, whatever it holds: each node is described once (memoized) however many inputs use
+it; the description the key hashes is nested, so a node used twice is written out twice, and a chain in which each
+node uses the one before twice would double at every link: its written-out size is counted as it is built (once
+per node) and a graph beyond `MAX_DESCRIPTION` characters is refused before anything is written out. Numbers that
+do not fit a double, node ids, link indices and strings beyond their bounds are refused by name, and a message
+quotes at most a short prefix of any value (docs/troubleshooting.md: the table of bounds).
 """
 
 import argparse
@@ -36,6 +43,9 @@ KEY_LENGTH = 32  # hex digits of the SHA-256 kept in the key (128 bits)
 MAX_NODES = 5000  # far above any real graph; a graph beyond is refused before anything is followed
 MAX_DEPTH = 200  # links followed in one chain (a LoRA chain, a reference chain)
 MAX_TEXT = 1 << 20  # characters of one string input
+MAX_DESCRIPTION = 8 << 20  # characters of the written-out description (as much as the route reads of a body)
+MAX_ID = 256  # characters of a node id or a class name
+MAX_OUTPUT = 1023  # a link's output index (a node has a handful of outputs)
 HEX64 = re.compile(r"[0-9a-f]{64}")
 ANNOTATION = re.compile(r" \[(input|output|temp)\]$")
 
@@ -69,13 +79,17 @@ class _Graph:
         for node_id, node in graph.items():
             if not isinstance(node, dict) or not isinstance(node.get("class_type"), str) or not isinstance(
                     node.get("inputs", {}), dict):
-                raise RouteKeyError(f"node {str(node_id)[:40]!r} is not an API-format node (an object with a string "
+                raise RouteKeyError(f"node {_short(node_id)} is not an API-format node (an object with a string "
                                     "'class_type' and an 'inputs' object).")
+            if len(str(node_id)) > MAX_ID or len(node["class_type"]) > MAX_ID:
+                raise RouteKeyError(f"node {_short(node_id)}: a node id and its class_type are strings of at most "
+                                    f"{MAX_ID} characters.")
         self.nodes = {str(k): v for k, v in graph.items()}
         self.input_dir = input_dir
         self.hashes = _checked_hashes(image_hashes)
         self._files = {}
         self._active = set()
+        self._memo = {}  # (node id, output) -> (description, size, chain length)
 
     def samplers(self) -> list[str]:
         return sorted((k for k, n in self.nodes.items() if n["class_type"] in SAMPLERS), key=_node_order)
@@ -85,54 +99,90 @@ class _Graph:
         if not isinstance(value, list):
             return None
         if len(value) != 2 or not isinstance(value[0], (str, int)) or isinstance(value[0], bool) or not isinstance(
-                value[1], int) or isinstance(value[1], bool) or value[1] < 0:
-            raise RouteKeyError(f"{where}: a link must be [node id, output index]; got {_short(value)}.")
+                value[1], int) or isinstance(value[1], bool) or not 0 <= value[1] <= MAX_OUTPUT or (
+                isinstance(value[0], int) and not 0 <= value[0] < 10**MAX_ID):
+            raise RouteKeyError(f"{where}: a link must be [node id, output index from 0 to {MAX_OUTPUT}]; got "
+                                f"{_short(value)}.")
         if str(value[0]) not in self.nodes:
-            raise RouteKeyError(f"{where} links to node {str(value[0])[:40]!r}, which is not in the graph.")
+            raise RouteKeyError(f"{where} links to node {_short(str(value[0]))}, which is not in the graph.")
         return str(value[0]), value[1]
 
     def value(self, where: str, value, depth: int):
         """The canonical form of an input: a constant as it is (numbers as floats), a link as its upstream node's
         description."""
+        return self._value(where, value, depth)[0]
+
+    def _value(self, where: str, value, depth: int) -> tuple:
+        """(canonical form, its written-out size in characters, the longest chain of links below it)."""
         linked = self.link(where, value)
         if linked is not None:
-            return self.describe(*linked, depth=depth + 1)
-        return _constant(where, value)
+            return self._describe(*linked, depth=depth + 1)
+        constant = _constant(where, value)
+        return constant, _size(constant), 0
 
     def describe(self, node_id: str, output: int, depth: int = 0):
+        return self._describe(node_id, output, depth)[0]
+
+    def _describe(self, node_id: str, output: int, depth: int = 0) -> tuple:
+        """(description, size, chain length) of `output` of `node_id`, computed once per (node, output): a node that
+        several inputs use is walked once, so the walk is linear in the graph, never one walk per path."""
+        known = self._memo.get((node_id, output))
+        if known is not None:
+            if depth + known[2] > MAX_DEPTH:
+                raise RouteKeyError(f"node {_short(node_id)}: more than {MAX_DEPTH} links in one chain.")
+            return known
         if depth > MAX_DEPTH:
-            raise RouteKeyError(f"node {node_id!r}: more than {MAX_DEPTH} links in one chain.")
+            raise RouteKeyError(f"node {_short(node_id)}: more than {MAX_DEPTH} links in one chain.")
         if node_id in self._active:
-            raise RouteKeyError(f"the graph has a cycle through node {node_id!r}.")
+            raise RouteKeyError(f"the graph has a cycle through node {_short(node_id)}.")
         node = self.nodes[node_id]
         kind, inputs = node["class_type"], node.get("inputs", {})
         self._active.add(node_id)
         try:
             if kind == "LoadImage":
-                return {"image_sha256": self.image_hash(node_id, inputs.get("image")), "output": output}
-            if kind in PASS_THROUGH:
+                out = {"image_sha256": self.image_hash(node_id, inputs.get("image")), "output": output}
+                described = out, _size(out), 0
+            elif kind in PASS_THROUGH:
                 name = PASS_THROUGH[kind]
-                return self.value(f"node {node_id!r} ({kind}) input {name!r}", inputs.get(name), depth)
-            names = KEPT_INPUTS.get(kind, sorted(inputs))
-            if kind == "QI21TextEncode" and inputs.get("references") is not None:
-                names = tuple(n for n in names if n != "prompt")  # the words do not move a reference prefix
-            out = {"node": kind}
-            if kind not in KEPT_INPUTS:
-                out["output"] = output
-            for name in names:
-                if name in inputs:
-                    out[name] = self.value(f"node {node_id!r} ({kind}) input {name!r}", inputs[name], depth)
-            return out
+                value = inputs.get(name)
+                out, size, below = self._value(f"node {_short(node_id)} ({kind}) input {name!r}", value, depth)
+                described = out, size, below + (1 if isinstance(value, list) else 0)
+            else:
+                described = self._node(node_id, kind, inputs, output, depth)
         finally:
             self._active.discard(node_id)
+        self._memo[(node_id, output)] = described
+        return described
+
+    def _node(self, node_id: str, kind: str, inputs: dict, output: int, depth: int) -> tuple:
+        names = KEPT_INPUTS.get(kind, sorted(inputs))
+        if kind == "QI21TextEncode" and inputs.get("references") is not None:
+            names = tuple(n for n in names if n != "prompt")  # the words do not move a reference prefix
+        out = {"node": kind}
+        if kind not in KEPT_INPUTS:
+            out["output"] = output
+        size, height = _size(out), 0
+        for name in names:
+            if name in inputs:
+                where = f"node {_short(node_id)} ({_short(kind)}) input {_short(name)}"
+                out[name], part, below = self._value(where, inputs[name], depth)
+                size += part + len(name) + 4  # "name": and the comma
+                height = max(height, below + (1 if isinstance(inputs[name], list) else 0))
+                if size > MAX_DESCRIPTION:
+                    raise RouteKeyError(
+                        f"node {_short(node_id)} ({_short(kind)}): the graph's description would exceed "
+                        f"{MAX_DESCRIPTION} characters (each input that uses a node writes that node's description out "
+                        "again, so a chain whose nodes each use the one before twice doubles at every link); "
+                        "at most that much is read.")
+        return out, size, height
 
     def image_hash(self, node_id: str, name) -> str:
-        where = f"node {node_id!r} (LoadImage) input 'image'"
+        where = f"node {_short(node_id)} (LoadImage) input 'image'"
         if not isinstance(name, str) or not name.strip() or len(name) > 1024:
             raise RouteKeyError(f"{where}: expected a file name in the input folder; got {_short(name)}.")
         annotation = ANNOTATION.search(name)
         if annotation and annotation.group(1) != "input":
-            raise RouteKeyError(f"{where}: {name!r} names the {annotation.group(1)} folder; the route key reads "
+            raise RouteKeyError(f"{where}: {_short(name)} names the {annotation.group(1)} folder; the route key reads "
                                 "reference images from the input folder only.")
         name = ANNOTATION.sub("", name)
         if name in self.hashes:
@@ -143,21 +193,45 @@ class _Graph:
 
 
 def _node_order(node_id: str):
-    return (0, int(node_id), "") if node_id.isdigit() else (1, 0, node_id)
+    return (0, int(node_id), "") if node_id.isascii() and node_id.isdigit() else (1, 0, node_id)  # not int("²")
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def _short(value, limit: int = 60) -> str:
+    """`value` as a message quotes it: its repr, cut to about `limit` characters (an API client may send a megabyte
+    where a name belongs, and the message must not echo it back, nor spend time writing it out)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"  # repr: slow, refused past 4300
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit - 20]) + f"... ({len(value)} characters)"
+    if isinstance(value, (list, tuple, dict)):
+        text = f"a {type(value).__name__} of {len(value)}" if len(value) > 8 else None
+        if text is None:
+            try:
+                text = repr(value) if sum(len(repr(v)) for v in value) < 4 * limit else None
+            except ValueError:  # a huge int inside
+                text = None
+        text = text or f"a {type(value).__name__} of {len(value)}"
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _size(canonical) -> int:
+    """About how many characters `canonical` (a constant or a node's own fields, no nested description) takes in
+    the canonical JSON."""
+    return len(json.dumps(canonical, separators=(",", ":"), ensure_ascii=True))
 
 
 def _constant(where: str, value):
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, (int, float)):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past a double's range (10**400): JSON numbers are doubles to a client
+            raise RouteKeyError(f"{where}: {_short(value)} does not fit a double (at most about 1.8e308).") from None
         if not math.isfinite(number):
-            raise RouteKeyError(f"{where}: {value!r} is not a finite number.")
+            raise RouteKeyError(f"{where}: {_short(value)} is not a finite number.")
         return number  # 1 and 1.0 (a JavaScript client sends the former) are the same setting
     if isinstance(value, str):
         if len(value) > MAX_TEXT:
@@ -183,16 +257,17 @@ def _checked_hashes(image_hashes) -> dict:
 def _file_hash(input_dir, name: str, where: str) -> str:
     """SHA-256 of `input_dir/name`, refusing a name that leaves the input folder (absolute, `..`, a link out)."""
     if input_dir is None:
-        raise RouteKeyError(f"{where}: {name!r} has no hash given (image_hashes) and no input folder to read it from.")
+        raise RouteKeyError(f"{where}: {_short(name)} has no hash given (image_hashes) and no input folder to read it "
+                            "from.")
     if "\x00" in name or os.path.isabs(name) or name.startswith(("/", "\\")) or ".." in re.split(r"[\\/]", name):
-        raise RouteKeyError(f"{where}: {name!r} is not a plain file name inside the input folder.")
+        raise RouteKeyError(f"{where}: {_short(name)} is not a plain file name inside the input folder.")
     root = os.path.realpath(input_dir)
     path = os.path.realpath(os.path.join(root, name))
     if os.path.commonpath([root, path]) != root:
-        raise RouteKeyError(f"{where}: {name!r} leads outside the input folder.")
+        raise RouteKeyError(f"{where}: {_short(name)} leads outside the input folder.")
     if not os.path.isfile(path):
-        raise RouteKeyError(f"{where}: {name!r} is not in the input folder ({input_dir}); upload it first or pass "
-                            "its hash in image_hashes.")
+        raise RouteKeyError(f"{where}: {_short(name)} is not in the input folder ({input_dir}); upload it first or "
+                            "pass its hash in image_hashes.")
     hasher = hashlib.sha256()
     with open(path, "rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):
@@ -212,18 +287,24 @@ def route_parts(graph, input_dir=None, image_hashes=None) -> list:
     samplers = nodes.samplers()
     if not samplers:
         raise RouteKeyError(f"the graph has no {' or '.join(SAMPLERS)} node: nothing to route by.")
-    parts = []
+    parts, total = [], 0
     for node_id in samplers:
         inputs = nodes.nodes[node_id].get("inputs", {})
-        part = {}
+        part, size = {}, 0
         for name in ("model", "positive"):
-            where = f"node {node_id!r} ({nodes.nodes[node_id]['class_type']}) input {name!r}"
+            where = f"node {_short(node_id)} ({nodes.nodes[node_id]['class_type']}) input {name!r}"
             linked = nodes.link(where, inputs.get(name))
             if linked is None:
                 raise RouteKeyError(f"{where}: expected a link to the node that makes it.")
-            part[name] = nodes.describe(*linked)
-        if part not in parts:  # two samplers of one split schedule share their prefix
-            parts.append(part)
+            part[name], part_size, _ = nodes._describe(*linked)
+            size += part_size
+        if part in parts:  # two samplers of one split schedule share their prefix
+            continue
+        total += size
+        if total > MAX_DESCRIPTION:
+            raise RouteKeyError(f"the samplers' descriptions would exceed {MAX_DESCRIPTION} characters together "
+                                f"(at node {_short(node_id)}); at most that much is read.")
+        parts.append(part)
     return parts
 
 

@@ -11,6 +11,21 @@ exists once the graph runs. Every validator therefore passes None through, and e
 `execute` (with `require`), where all values are known; nothing a validator refuses gets through a link.
 """
 
+from ..model.loaders.safetensors_io import shown
+
+QUOTE = 60  # characters of a value that a message quotes (ComfyUI repeats a node's message once per input)
+
+
+def quoted(value, limit: int = QUOTE) -> str:
+    """`value` as a message quotes it: its repr, or for a long one a prefix of it and its length, so that an API
+    client's 10,000-character "device" is not echoed back whole."""
+    if isinstance(value, str):
+        return shown(value, limit)
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
+
 
 def widget_option(spec, key: str):
     """A widget option from ComfyUI's V3 input (attributes; a Combo's `options` is its list) or from our stand-in
@@ -64,7 +79,7 @@ def widget_problem(node, **values) -> str | bool:
         choices = widget_option(spec, "options")
         if isinstance(choices, (list, tuple)) and value not in choices:
             shown = ", ".join(map(str, choices)) if len(choices) <= 20 else f"the {len(choices)} listed files"
-            return f"{spec.id} = {value!r}: expected one of {shown}."
+            return f"{spec.id} = {quoted(value)}: expected one of {shown}."
         low, high = widget_option(spec, "min"), widget_option(spec, "max")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and (
                 (low is not None and not value >= low) or (high is not None and not value <= high)):

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from . import worker
+from .ranks import MAX_RANKS
 
 _ROOT = Path(__file__).resolve().parents[2]  # the pack's folder
 _PACKAGE = __name__.split(".")[0]  # the name the host imported the pack under (a worker registers the same)
@@ -62,31 +63,14 @@ class WorkerError(RuntimeError):
     """A worker died, hung or failed alone; the pool was closed (the next run starts a new one)."""
 
 
-def parse_devices(text: str, what: str = "devices") -> tuple[str, ...]:
-    """`"cuda:0, cuda:1"` -> `("cuda:0", "cuda:1")`; a clear error naming `what` for anything else. "" is ()."""
-    names = tuple(part.strip() for part in str(text).split(",") if part.strip())
-    for name in names:
-        kind, _, index = name.partition(":")
-        if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
-            raise ValueError(f"{what}: {name!r} is not a device; write a comma list such as 'cuda:0,cuda:1' (or "
-                             "'cpu,cpu' for CPU ranks).")
-    kinds = {name.partition(":")[0] for name in names}
-    if len(kinds) > 1:
-        raise ValueError(f"{what}: {', '.join(names)} mixes CPU and GPU ranks; use only cuda devices or only cpu.")
-    cudas = [n if ":" in n else "cuda:0" for n in names if n.startswith("cuda")]
-    if len(set(cudas)) != len(cudas):
-        raise ValueError(f"{what}: {', '.join(names)} names a GPU twice; each rank needs a GPU of its own.")
-    return names
-
-
 class WorkerPool:
     """One worker process per device (rank i on `devices[i]`), alive until `close`. One device is a DiT of its own on
     another device than the host's (no split)."""
 
     def __init__(self, devices, threads: int | None = None, hang_seconds: float = 600.0):
         self.devices = tuple(devices)
-        if not self.devices:
-            raise ValueError("a worker pool needs at least one device.")
+        if not 1 <= len(self.devices) <= MAX_RANKS:  # the loader refuses more when it validates; this is the last gate
+            raise ValueError(f"a worker pool runs on 1 to {MAX_RANKS} devices; got {len(self.devices)}.")
         self.hang_seconds = float(hang_seconds)
         if threads is None:  # CPU ranks share the cores; a GPU rank needs few
             threads = max(1, (os.cpu_count() or 1) // len(self.devices))
