@@ -30,7 +30,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
-from bench_dit import build_inputs, flops
+from speed import build_inputs, flops
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "comfyui"))
@@ -176,7 +176,7 @@ class Prompts:
 
 
 def flop_prediction(weights: dict, config: DiTConfig, prefix_tokens: int) -> float:
-    """Uncached over cached FLOPs of our DiT at these shapes (bench_dit.flops: GEMMs and attention)."""
+    """Uncached over cached FLOPs of our DiT at these shapes (speed.flops: GEMMs and attention)."""
     from qi21.model.transformer.prefix_cache import PrefixKVCache
 
     model = QwenImage21DiT(config).eval()

@@ -1,4 +1,4 @@
-"""Where a cached step's CPU time goes, and how close its GEMMs come to this machine's GEMM roofline (bench_dit.py
+"""Where a cached step's CPU time goes, and how close its GEMMs come to this machine's GEMM roofline (speed.py dit
 `--roofline`).
 
 - The roofline: every GEMM a cached step runs (its `(M, K, N)` as the model calls it, recorded by a dispatch mode) is

@@ -309,7 +309,7 @@ def section_e2e(check: Check) -> list[dict]:
 
 
 def section_host(check: Check) -> list[dict]:
-    from bench_host_overhead import KernelCount
+    from speed import KernelCount
 
     reference, ours = check.pair()
     _, prefix, target, kwargs = check.case(1)

@@ -1,4 +1,4 @@
-"""A variant's cached step against the plain one, on bench_dit's scaled shape (heads of 128, width 1024, SwiGLU x3,
+"""A variant's cached step against the plain one, on speed.py's scaled shape (heads of 128, width 1024, SwiGLU x3,
 ~75 text tokens, a 1024-token target, 1024-token references; only the block count is cut), in one run each. One
 question a variant: the plain model and the variant interleaved, medians, ratios printed.
 
@@ -28,8 +28,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-import bench_dit  # a sibling (this folder is on sys.path when run as a script); imports the pack as `qi21`
-from bench_dit import build_inputs, build_models, cpu_bench_args, flops
+import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from qi21.model.layers.gguf import GGUFLinear
 from qi21.model.layers.kitchen import gemm_summary
 from qi21.model.loaders.controlnet import apply_controlnet
@@ -44,12 +43,13 @@ from qi21.model.transformer.compiled import compile_blocks
 from qi21.model.transformer.controlnet import ControlNetConfig, FunControlNet
 from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
 from qi21.model.transformer.prefix_cache import PrefixKVCache
+from speed import TARGET, build_inputs, build_models, cpu_bench_args, flops
 
 # -- lora --------------------------------------------------------------------------------------------------------------
 LORA_HELP = """\
 What a LoRA branch costs: one DiT step with a LoRA applied vs the same model without it, in one run.
 
-The scaled shape of bench_dit.py (heads of 128, width 1024, SwiGLU x3, ~75 text tokens, a 1024-token target,
+The scaled shape of speed.py (heads of 128, width 1024, SwiGLU x3, ~75 text tokens, a 1024-token target,
 one reference of 1024 tokens; only the layer count is cut). The LoRA targets what LoRAs usually train: every
 block's to_q, to_k, to_v, to_out.0, img_mlp.gate_layer, img_mlp.proj and img_mlp.out (kohya keys with alpha),
 applied with model/loaders/lora.py as low-rank branches next to the frozen weights (no merge, no weight copy). Prefill
@@ -146,7 +146,7 @@ def run_lora():
 GGUF_HELP = """\
 GGUF DiT benchmark: a cached step of a Q8_0 and a Q4_K DiT against the bf16 file, in one run, ratios printed.
 
-The scaled shape of bench_dit.py (heads of 128, width 1024, SwiGLU x3, text width 1024, ~75 text tokens, a
+The scaled shape of speed.py (heads of 128, width 1024, SwiGLU x3, text width 1024, ~75 text tokens, a
 1024-token target, `--references` references of 1024 tokens; only the block count is cut). One random model,
 rounded to bf16, is written three ways, as users get it:
 - `qwen_image_2.1_bf16.safetensors` (ComfyUI layout), loaded as the nodes load it on a CPU (fp32 compute: bf16 is
@@ -283,7 +283,7 @@ def run_gguf():
         parser.add_argument("--references", type=int, default=1)
         parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype of all three")
 
-    args = bench_dit.cpu_bench_args(GGUF_HELP, layers=2, repeats=7, add=add)
+    args = cpu_bench_args(GGUF_HELP, layers=2, repeats=7, add=add)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
     source = random_model(args.layers)
@@ -299,7 +299,7 @@ def run_gguf():
         file_bytes = {name: (folder / model.source.path.name).stat().st_size for name, model in models.items()}
     del source
 
-    prefix, target, _, _ = bench_dit.build_inputs(args.references)
+    prefix, target, _, _ = build_inputs(args.references)
     target = target.to(dtype)
     t = torch.tensor([0.8])
     caches, steps, outputs = {}, {}, {}
@@ -340,7 +340,7 @@ QUANTIZED_HELP = """\
 Quantized DiT benchmark (CPU): a cached step of int8 ConvRot, fp8, W4A8, NVFP4 and MXFP8 DiTs against the bf16 file,
 in one run.
 
-The scaled shape of the gguf question / bench_dit.py (heads of 128, width 1024, SwiGLU x3, text width 1024, a 1024-token
+The scaled shape of speed.py's questions (heads of 128, width 1024, SwiGLU x3, text width 1024, a 1024-token
 target, `--references` references; only the block count is cut). One random model, rounded to bf16, is written as
 users get it: `qwen_image_2.1_bf16.safetensors`, and ComfyUI quantized files made by comfy-kitchen's own quantizers
 for the layers the released int8 file quantizes (each block's q, k, v, out, gate_up, down): int8 ConvRot (rotation
@@ -407,7 +407,7 @@ def run_quantized():
         parser.add_argument("--references", type=int, default=1)
         parser.add_argument("--kernels", action="store_true", help="also run int8 / W4A8 through the int8 GEMMs")
 
-    args = bench_dit.cpu_bench_args(QUANTIZED_HELP, layers=1, repeats=3, add=add)
+    args = cpu_bench_args(QUANTIZED_HELP, layers=1, repeats=3, add=add)
 
     tensors = comfy_tensors(random_model(args.layers))
     with tempfile.TemporaryDirectory() as folder:
@@ -423,7 +423,7 @@ def run_quantized():
             models[name] = load_dit(files[kind], weight_dtype="fp32", quantized_gemm="kernel")
             file_bytes[name] = file_bytes[kind]
 
-    prefix, target, _, _ = bench_dit.build_inputs(args.references)
+    prefix, target, _, _ = build_inputs(args.references)
     t = torch.tensor([0.8])
     steps, outputs = {}, {}
     with torch.inference_mode():
@@ -465,8 +465,8 @@ The int8 / int4 prefix cache (model/transformer/cache_storage.py): bytes, error 
 1. Bytes, scales included, against the bf16 cache: the planner's figure for the full model (32 layers, 32 heads of
    128) at 1024x1024, t2i (75 tokens) and a 3-reference edit (3 x 4096 + 75 tokens); and the bytes a real cache
    allocates for the same prefixes on the scaled model (8 heads of 128: rows of 1024 values).
-2. Error on the scaled CPU model (bench_dit.py's shape: width 1024, heads of 128, SwiGLU x3, a 512x512 target, one
-   512x512 reference, 75 text tokens; weights drawn as bf16_drift.py draws them, norm scales around 1 and matrices
+2. Error on the scaled CPU model (speed.py's scaled shape: width 1024, heads of 128, SwiGLU x3, a 512x512 target, one
+   512x512 reference, 75 text tokens; weights drawn as speed.py bf16-drift draws them, norm scales around 1 and matrices
    N(0, 1/fan_in)): one cached velocity and a whole 40-step Base loop with an int8 / int4 cache against the model-dtype
    cache (bf16, and fp32 to isolate the quantization), each next to the bf16-vs-fp32 drift of the same velocity /
    loop (relative L2).
@@ -477,7 +477,7 @@ The int8 / int4 prefix cache (model/transformer/cache_storage.py): bytes, error 
 """
 
 DTYPES = ("default", "int8", "int4")
-CACHE_SIZE = 512  # the target (bench_dit.TARGET: 32 x 32 latent tokens)
+CACHE_SIZE = 512  # the target (speed.TARGET: 32 x 32 latent tokens)
 
 
 def relative(a, b) -> float:
@@ -568,7 +568,7 @@ def errors(layers: int, steps: int):
     return fp32, bf16
 
 
-def speed(models, repeats: int):
+def cache_speed(models, repeats: int):
     torch.manual_seed(2)
     prefix, target, _, _ = build_inputs(2)
     print(f"\n## CPU speed of a cached step (prefix {prefix.layout.prefix_len} tokens, target {target.shape[1]}; "
@@ -607,7 +607,7 @@ def run_cache_quant():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
     planner_bytes()
     models = errors(args.layers, args.steps)
-    speed(models, args.repeats)
+    cache_speed(models, args.repeats)
 
 
 # -- compiled ----------------------------------------------------------------------------------------------------------
@@ -615,7 +615,7 @@ COMPILED_HELP = """\
 Compiled blocks (the loader's `compile` option, model/transformer/compiled.py) on this machine: the cached step
 compiled against eager, what the first compiled calls cost cold and warm, and what compiling changes numerically.
 
-bench_dit's scaled shape (heads of 128, width 1024 = 8 heads, SwiGLU x3, 75 text tokens, one 512x512 reference, a
+speed.py's scaled shape (heads of 128, width 1024 = 8 heads, SwiGLU x3, 75 text tokens, one 512x512 reference, a
 512x512 target), `--layers` blocks, inductor. It prints:
 - the median cached step eager and compiled (fp32, calls interleaved) and their ratio;
 - the first compiled calls: the cached step's (one graph) and the prefill's (two: its blocks and its last block),
@@ -735,7 +735,7 @@ CONTROLNET_HELP = """\
 A Fun ControlNet loop with our prefix cache vs the same loop with the cache off (what ComfyUI core and VideoX-Fun
 do whenever the control is attached), in one run.
 
-The scaled shape of bench_dit.py (heads of 128, width 1024, SwiGLU x3, ~75 text tokens, a 1024-token target, one
+The scaled shape of speed.py (heads of 128, width 1024, SwiGLU x3, ~75 text tokens, a 1024-token target, one
 reference of 1024 tokens; only the layer count is cut) with a control stream of half as many blocks, as the release
 pairs 16 with 32. 8 steps; runs alternate (cache on, cache off, ...) and the medians are compared. Also printed: the
 same with the window [0.2, 0.8] (steps outside it read a plain cache of their own) and the cache bytes per stream.
@@ -745,7 +745,7 @@ same with the window [0.2, 0.8] (steps outside it read a plain cache of their ow
 
 STEPS = 8
 SIGMAS = torch.linspace(1.0, 0.0, STEPS + 1)
-CONTROL_SIZE = (bench_dit.TARGET[1] * 16, bench_dit.TARGET[0] * 16)  # width, height in px
+CONTROL_SIZE = (TARGET[1] * 16, TARGET[0] * 16)  # width, height in px
 
 
 def build_net(blocks: int) -> FunControlNet:
@@ -777,11 +777,11 @@ def mib(nbytes: int) -> str:
 
 
 def run_controlnet():
-    args = bench_dit.cpu_bench_args(CONTROLNET_HELP, layers=2, repeats=3)
-    _, model, _ = bench_dit.build_models(args.layers)
+    args = cpu_bench_args(CONTROLNET_HELP, layers=2, repeats=3)
+    _, model, _ = build_models(args.layers)
     net = build_net(args.layers // 2)
-    cond = bench_dit.build_inputs(1)[3]
-    grid = bench_dit.TARGET
+    cond = build_inputs(1)[3]
+    grid = TARGET
     hint = torch.randn(grid[0] * grid[1], 129, generator=torch.Generator().manual_seed(2))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, {args.layers} base + "
           f"{args.layers // 2} control blocks, width 1024, heads 8x128, target {grid[0] * grid[1]} tokens, prefix "
