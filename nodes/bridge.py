@@ -454,6 +454,20 @@ def input_directory() -> Path | None:
 _routes_added: set[tuple[str, str]] = set()
 
 
+async def read_capped(read, max_body: int, chunk: int = 1 << 16) -> bytes | None:
+    """The whole body from `read(n)` (aiohttp's `request.content.read`, which returns what has arrived, up to n
+    bytes: one call may hold only the first part of a body), or None once it passes `max_body` bytes (the rest is
+    never read)."""
+    body = bytearray()
+    while True:
+        part = await read(chunk)
+        if not part:
+            return bytes(body)
+        body += part
+        if len(body) > max_body:
+            return None
+
+
 def add_route(method: str, path: str, handler, max_body: int = 0) -> bool:
     """Serve `handler(body: bytes | None) -> (status, payload)` at `method path` on ComfyUI's own server (and under
     /api, as ComfyUI mirrors every route). `payload`: a dict or list (sent as JSON) or `(text, content type)`.
@@ -477,8 +491,8 @@ def add_route(method: str, path: str, handler, max_body: int = 0) -> bool:
             if request.content_length is not None and request.content_length > max_body:
                 return web.json_response({"error": f"the body is {request.content_length} bytes; at most "
                                                    f"{max_body} are read."}, status=413)
-            body = await request.content.read(max_body + 1)
-            if len(body) > max_body:
+            body = await read_capped(request.content.read, max_body)
+            if body is None:
                 return web.json_response({"error": f"the body is over {max_body} bytes."}, status=413)
         loop = asyncio.get_running_loop()
         status, payload = await loop.run_in_executor(None, handler, body)

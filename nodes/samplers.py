@@ -29,7 +29,7 @@ from . import bridge, observability, parallel, placement
 from .bridge import io
 from .comfy_sampling import sampler_runner
 from .types import CATEGORY, Conditioning, Model
-from .validation import refuse_unknown_inputs, require, widget_problem
+from .validation import is_number, quoted, refuse_unknown_inputs, require, widget_problem
 
 MIN_SIZE, MAX_SIZE = 32, 4096  # the reference pipeline runs any multiple of 32
 TRAINED_MIN_SIZE = 256  # below this the report notes that the model was trained at larger sizes
@@ -69,13 +69,14 @@ def _cache_inputs():
 
 def _check_size(node, width, height, **widgets) -> str | bool:
     for name, value in (("width", width), ("height", height)):
-        if value and not MIN_SIZE <= value <= MAX_SIZE:
-            return f"{name} = {value}: use 0 (follow the reference / 1024) or a size from {MIN_SIZE} to {MAX_SIZE}."
+        if is_number(value) and value and not MIN_SIZE <= value <= MAX_SIZE:
+            return (f"{name} = {quoted(value)}: use 0 (follow the reference / 1024) or a size from {MIN_SIZE} to "
+                    f"{MAX_SIZE}.")
     denoise = widgets.get("denoise")
-    if denoise is not None and not 0.0 < denoise <= 1.0:  # None: linked, checked in execute
-        return (f"denoise = {denoise}: use a value in (0, 1]. 1 starts from pure noise; lower values keep more of "
-                "the latent_image (0 would run no step at all).")
-    return widget_problem(node, **widgets)
+    if is_number(denoise) and not 0.0 < denoise <= 1.0:  # None: linked, checked in execute
+        return (f"denoise = {quoted(denoise)}: use a value in (0, 1]. 1 starts from pure noise; lower values keep "
+                "more of the latent_image (0 would run no step at all).")
+    return widget_problem(node, width=width, height=height, **widgets)  # a string or a list: "expected a number"
 
 
 def _start_image(latent_image, width, height, batch_size):
@@ -286,11 +287,14 @@ class QI21Sampler(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, width=0, height=0, steps=40, cfg=1.0, **kwargs):
         # None: linked (ComfyUI passes no value before the run); execute calls this again with the real one
-        if steps is not None and steps < 1:
-            return f"steps = {steps}: at least 1 step is needed (40 is the official setting)."
-        if cfg is not None and not cfg >= 1.0:  # also refuses NaN
-            return f"cfg = {cfg}: true CFG scales below 1 are not meaningful; use 1 (off) or more."
+        if is_number(steps) and steps < 1:
+            return f"steps = {quoted(steps)}: at least 1 step is needed (40 is the official setting)."
+        if is_number(cfg) and not cfg >= 1.0:  # also refuses NaN
+            return f"cfg = {quoted(cfg)}: true CFG scales below 1 are not meaningful; use 1 (off) or more."
         denoise = kwargs.get("denoise")
+        ranged = widget_problem(cls, steps=steps, cfg=cfg, denoise=denoise)  # no arithmetic on 10**400 or a string
+        if ranged is not True:
+            return ranged
         if steps is not None and denoise is not None and "sigmas" not in kwargs:
             problem = denoise_problem(denoise, steps)  # without connected sigmas: the tail of a longer schedule
             if problem is not None:

@@ -9,7 +9,7 @@ from ..model.sampling.schedule import BASE_CONFIG, base_sigmas, schedule_mu, tur
 from ..model.vae.latents import DEFAULT_SIZE, latent_tokens
 from .bridge import io
 from .types import CATEGORY
-from .validation import refuse_unknown_inputs, require, widget_problem
+from .validation import is_number, quoted, refuse_unknown_inputs, require, widget_problem
 
 SCHEDULER_CHOICES = ("official", *COMFY_SCHEDULERS)
 
@@ -69,9 +69,12 @@ class QI21Sigmas(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, denoise=1.0, **kwargs):
-        if denoise is not None and not 0.0 < denoise <= 1.0:
-            return f"denoise = {denoise}: use a value in (0, 1] (0 would be a schedule without a step)."
+        if is_number(denoise) and not 0.0 < denoise <= 1.0:
+            return f"denoise = {quoted(denoise)}: use a value in (0, 1] (0 would be a schedule without a step)."
         steps = kwargs.get("steps")
+        ranged = widget_problem(cls, denoise=denoise, steps=steps)  # no arithmetic on 10**400 or a string
+        if ranged is not True:
+            return ranged
         if denoise is not None and steps is not None and kwargs.get("schedule") != "turbo":
             problem = denoise_problem(denoise, steps)  # a tiny denoise would build a huge schedule
             if problem is not None:

@@ -21,10 +21,16 @@ def quoted(value, limit: int = QUOTE) -> str:
     client's 10,000-character "device" is not echoed back whole."""
     if isinstance(value, str):
         return shown(value, limit)
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 3 * limit:
+        sign = "a negative" if value < 0 else "an"  # repr of a huge int is slow, and refused past 4,300 digits
+        return f"{sign} integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
+
+
+def is_number(value) -> bool:
+    """An int or a float (not a bool): what a range check may compare (a linked input may carry anything)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def widget_option(spec, key: str):
@@ -81,9 +87,11 @@ def widget_problem(node, **values) -> str | bool:
             shown = ", ".join(map(str, choices)) if len(choices) <= 20 else f"the {len(choices)} listed files"
             return f"{spec.id} = {quoted(value)}: expected one of {shown}."
         low, high = widget_option(spec, "min"), widget_option(spec, "max")
+        if (low is not None or high is not None) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            return f"{spec.id} = {quoted(value)}: expected a number from {low} to {high}."  # a link may carry anything
         if isinstance(value, (int, float)) and not isinstance(value, bool) and (
                 (low is not None and not value >= low) or (high is not None and not value <= high)):
-            return f"{spec.id} = {value}: expected a value from {low} to {high}."
+            return f"{spec.id} = {quoted(value)}: expected a value from {low} to {high}."
     return True
 
 

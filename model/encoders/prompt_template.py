@@ -36,6 +36,9 @@ PAD_TOKEN = "<|endoftext|>"  # Qwen's padding token, used when a tokenizer folde
 #: never the tighter bound.) At 0.5 MiB of prefix cache per token in bf16, the bound also caps the prompt's
 #: share of the cache at 4 GiB.
 MAX_ROPE_POSITIONS = 8192
+#: Characters of prompt per RoPE position read before tokenizing: real text takes 3-5 per token, so 32 never refuses
+#: a prompt that fits, and bounds the tokenizer's work (a 10-million-character prompt took 50 s to be refused).
+CHARS_PER_POSITION = 32
 MIN_ROPE_POSITION = -1024
 
 
@@ -207,6 +210,13 @@ class PromptTokenizer:
 
     def prepare(self, prompts: Sequence[str], references: Sequence) -> tuple[list, list[int], list[list[int]]]:
         """(VLM images, slots per image, token ids per prompt), every check that needs no model done."""
+        limit = self.max_positions * CHARS_PER_POSITION
+        for prompt in prompts:
+            if len(prompt) > limit:
+                raise ValueError(
+                    f"The prompt {prompt[:40]!r}... is {len(prompt):,} characters; at most {limit:,} are read "
+                    f"({CHARS_PER_POSITION} per RoPE position: Qwen-Image 2.1 is defined for {self.max_positions} "
+                    "positions, about 35,000 characters of text). Shorten the prompt.")
         images, expected = self.vlm_images(references)
         rows = [self.token_ids(prompt, expected) for prompt in prompts]
         for prompt, row in zip(prompts, rows):

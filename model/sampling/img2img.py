@@ -40,12 +40,15 @@ def denoise_tail(full_schedule, steps: int, denoise: float) -> torch.Tensor:
 
 def denoise_problem(denoise: float, steps: int | None = None) -> str | None:
     """Why `denoise` cannot run (with `steps` Base steps, when given), or None."""
-    if not 0.0 < float(denoise) <= 1.0:  # also refuses NaN
-        return (f"denoise = {denoise}: use a value in (0, 1]. 1 starts from pure noise; lower values keep more of the "
-                "latent_image (0 would run no step at all).")
+    if not 0.0 < denoise <= 1.0:  # also refuses NaN; compared as given: float(10**400) would overflow
+        shown = denoise if isinstance(denoise, float) or abs(denoise) < 2**60 else "an integer past 2**60"
+        return (f"denoise = {shown}: use a value in (0, 1]. 1 starts from pure noise; lower values keep "
+                "more of the latent_image (0 would run no step at all).")
     if steps is not None and denoise < smallest_denoise(steps):  # compared before dividing: 1e-320 would overflow
+        total = steps / denoise
         return (f"denoise = {denoise:g} with {steps} steps would take the last {steps} steps of a "
-                f"{steps / denoise:,.0f}-step schedule; the smallest denoise for {steps} steps is "
+                f"{f'{total:,.0f}' if total < 1e15 else f'{total:.3g}'}-step schedule; the smallest denoise for "
+                f"{steps} steps is "
                 f"{smallest_denoise(steps):g} (a {MAX_SCHEDULE_STEPS:,}-step schedule). Use a larger denoise, or fewer "
                 "steps.")
     return None

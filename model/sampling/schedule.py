@@ -120,21 +120,33 @@ def custom_sigmas(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
     return sig
 
 
+MAX_SIGMAS = 10_001  # ComfyUI's samplers take at most 10,000 steps
+
+
+def _few(sig: torch.Tensor, count: int = 12) -> str:
+    """The first `count` values of a schedule for a message (a 10,000-value one is not echoed whole)."""
+    shown = ", ".join(f"{v:g}" for v in sig[:count].tolist())
+    return f"[{shown}{f', ... ({sig.numel():,} values)' if sig.numel() > count else ''}]"
+
+
 def literal_sigmas(values, name: str = "sigmas") -> torch.Tensor:
     """Sigmas used exactly as given (ComfyUI's SIGMAS), fp32 `(n,)`: at least two values (one step), all finite,
     in [0, 1] and strictly decreasing. Unlike `custom_sigmas` nothing is appended: a schedule that ends above 0
     stops there (the first half of a split schedule)."""
-    sig = torch.as_tensor(values).detach().to("cpu", SIGMA_DTYPE)
-    if sum(size > 1 for size in sig.shape) > 1:  # a batch or grid of schedules: flattening would make up one
-        raise ValueError(f"{name} must be one schedule (a 1-D list of sigmas); got shape {list(sig.shape)}.")
-    sig = sig.flatten()
+    sig = torch.as_tensor(values).detach()
+    if sig.dim() > 8 or sum(size > 1 for size in sig.shape) > 1:  # a batch or grid: flattening would make up one
+        raise ValueError(f"{name} must be one schedule (a 1-D list of sigmas); got shape {list(sig.shape)[:8]}.")
+    if sig.numel() > MAX_SIGMAS:  # before the copy: a link may carry any tensor
+        raise ValueError(f"{name} holds {sig.numel():,} values; at most {MAX_SIGMAS:,} are run ({MAX_SIGMAS - 1:,} "
+                         "steps, as many as ComfyUI's own samplers take).")
+    sig = sig.to("cpu", SIGMA_DTYPE).flatten()
     if sig.numel() < 2:
         raise ValueError(f"{name} holds {sig.numel()} value(s); a schedule needs at least two (one step).")
     if not torch.isfinite(sig).all():
-        raise ValueError(f"{name} holds NaN or infinite values: {sig.tolist()}.")
+        raise ValueError(f"{name} holds NaN or infinite values: {_few(sig)}.")
     if sig.min() < 0 or sig.max() > 1:
         raise ValueError(f"{name} must lie in [0, 1] (flow matching: 1 is pure noise, 0 the clean image); got "
-                         f"{sig.tolist()}.")
+                         f"{_few(sig)}.")
     steps_up = (sig[1:] >= sig[:-1]).nonzero()
     if steps_up.numel():
         i = int(steps_up[0]) + 1
