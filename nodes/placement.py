@@ -22,6 +22,7 @@ from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, r
 from ..model.memory.weights import dit_weights, layered_weights, module_tensors, run_layers, tensor_bytes
 from ..model.sampling.cache_options import cache_options
 from ..model.sampling.cache_store import PrefixCacheStore, cache_owner
+from ..model.sampling.step_cache import step_cache_options
 from ..model.transformer.controlnet import STREAM_ROW_BUFFERS
 from ..model.vae.latents import latent_shape
 from . import bridge
@@ -100,10 +101,12 @@ def run_shape(model, positive, negative, width: int, height: int, batch: int, pr
     cache_layers = None
     if control is not None:  # its blocks' K/V, and a partial window's plain cache beside (run_caches.py)
         cache_layers = layers + control.net.config.num_blocks + (0 if control.whole_schedule else layers)
+    steps = step_cache_options(model)  # None: no step cache
     return RunShape(tuple(c.layout(grid).prefix_len for c in conditionings), grid, batch, negative is not None,
                     prefix_cache, tuple(h * w for h, w in positive.ref_shapes), cache_layers=cache_layers,
                     extra_row_buffers=0 if control is None else STREAM_ROW_BUFFERS,
-                    cache_dtype=cache_options(model).dtype)
+                    cache_dtype=cache_options(model).dtype, step_cache=steps.mode if steps else "off",
+                    step_cache_control=bool(steps and control is not None and steps.control == "recompute"))
 
 
 def dit_unloaded(model) -> None:
