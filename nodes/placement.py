@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from ..model.layers.lora import release_branches
+from ..model.loaders.deferred import FileBackedPart, file_weights
 from ..model.memory.estimate import EncoderDims, VAEShape, encode_transient
 from ..model.memory.planner import PLAN_CHOICES, Budget, RunShape, plan_decode, plan_layers, plan_run
 from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
@@ -51,14 +52,34 @@ def place(module: torch.nn.Module, layers=(), streamed=(), on_unload=None, memor
     memory for the streamer: through ComfyUI's model management when it takes it, by hand otherwise."""
     streamed = tuple(streamed)
     wanted = device
-    device = bridge.load_managed(module, lambda: resident_part(module, layers, streamed), streamed, on_unload,
-                                 memory_required=memory_required, what=what, device=wanted)
+    weights = file_weights(module)
+    if weights is not None and weights.waiting:
+        read_from_file(module, weights, layers, streamed, memory_required, wanted)
+
+    def resident():
+        part = resident_part(module, layers, streamed)
+        return part if weights is None else FileBackedPart(part, weights)  # evicted: back to its file
+
+    device = bridge.load_managed(module, resident, streamed, on_unload, memory_required=memory_required, what=what,
+                                 device=wanted)
     if device is None:
         device = torch.device(wanted) if wanted is not None else bridge.compute_device()
         if device.type != "cpu":
             bridge.free_memory(tensor_bytes(module_tensors(module)) + memory_required, device)
     place_layers(module, layers, streamed, device)
     return device
+
+
+def read_from_file(module, weights, layers, streamed, memory_required: int, device=None) -> None:
+    """A deferred model's waiting weights read from its file straight to where the plan places them: the streamed
+    layers' into (pinned) host memory, the rest onto the device, after ComfyUI made room there for them and the run
+    (loaders/deferred.py). Nothing passes through a whole copy in host memory."""
+    device = torch.device(device) if device is not None else bridge.compute_device()
+    on_host = {id(p) for i in streamed for p in layers[i].parameters()}
+    if device.type != "cpu":
+        bridge.free_memory(weights.waiting - sum(p.numel() * p.element_size() for p in module.parameters()
+                                                 if id(p) in on_host) + memory_required, device)
+    weights.materialize(lambda param: "cpu" if id(param) in on_host else device, pin=device.type == "cuda")
 
 
 def component_device(module) -> torch.device:

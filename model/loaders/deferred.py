@@ -72,10 +72,12 @@ class FileWeights:
                 raise CheckpointError(f"{file.name} changed on disk after the {self.what} was loaded, before its "
                                       "weights were read; load the model again (refresh the loader node).")
 
-    def materialize(self, device_of, pin: bool = False) -> int:
-        """Read every waiting parameter straight to `device_of(parameter)` (pinned when that is the host and `pin`);
-        returns the bytes read. A parameter already placed is left alone."""
-        waiting = [(param, fill) for param, fill in self.entries if id(param) in self.on_file]
+    def materialize(self, device_of, pin: bool = False, only=None) -> int:
+        """Read every waiting parameter (of those whose ids are in `only`, if given) straight to
+        `device_of(parameter)` (pinned when that is the host and `pin`); returns the bytes read. A parameter already
+        placed is left alone."""
+        waiting = [(param, fill) for param, fill in self.entries
+                   if id(param) in self.on_file and (only is None or id(param) in only)]
         if not waiting:
             return 0
         self.check_files()
@@ -115,3 +117,24 @@ def materialize_on_input(module, args, kwargs):
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         device = first.device if first is not None else torch.device("cpu")
         weights.materialize(lambda param: device)
+
+
+class FileBackedPart(torch.nn.ModuleList):
+    """The modules a host's memory manager (ComfyUI) loads and unloads for a deferred model: moved to the host, its
+    file-backed parameters go back to their file instead of into host memory (nothing to hold: the next placement
+    reads them again), and moved to a device, any still waiting are read straight there."""
+
+    def __init__(self, modules, weights: FileWeights):
+        super().__init__(modules)
+        object.__setattr__(self, "_file_weights", weights)  # not a submodule, not in the state dict
+
+    def to(self, *args, **kwargs):
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            device = torch.device(device)
+            if device.type == "cpu":
+                self._file_weights.release(self.parameters())
+            else:
+                mine = {id(p) for p in self.parameters()}
+                self._file_weights.materialize(lambda param: device, only=mine)
+        return super().to(*args, **kwargs)
