@@ -72,10 +72,11 @@ class FileWeights:
                 raise CheckpointError(f"{file.name} changed on disk after the {self.what} was loaded, before its "
                                       "weights were read; load the model again (refresh the loader node).")
 
-    def materialize(self, device_of, pin: bool = False, only=None) -> int:
+    def materialize(self, device_of, pin: bool = False, only=None, allocate=None) -> int:
         """Read every waiting parameter (of those whose ids are in `only`, if given) straight to
         `device_of(parameter)` (pinned when that is the host and `pin`); returns the bytes read. A parameter already
-        placed is left alone."""
+        placed is left alone. `allocate(shape, dtype, device)`: where a target comes from (the benchmark's simulated
+        device; default `torch.empty`)."""
         waiting = [(param, fill) for param, fill in self.entries
                    if id(param) in self.on_file and (only is None or id(param) in only)]
         if not waiting:
@@ -86,7 +87,8 @@ class FileWeights:
             for param, fill in waiting:
                 device = torch.device(device_of(param))
                 pinned = pin and device.type == "cpu"
-                target = torch.empty(param.shape, dtype=param.dtype, device=device, pin_memory=pinned)
+                target = (allocate(param.shape, param.dtype, device) if allocate is not None
+                          else torch.empty(param.shape, dtype=param.dtype, device=device, pin_memory=pinned))
                 fill(target, reader)
                 param.data = target
                 self.on_file.discard(id(param))

@@ -38,6 +38,10 @@ from .weights import LINEAR_ITEMSIZE, LayeredWeights, synthetic_dit_weights
 MIB = 2**20
 #: Added to every device phase off the CPU: cuBLAS/cuDNN workspaces, the caching allocator's rounding.
 DEVICE_OVERHEAD = 256 * MIB
+#: A forward's transient on a CPU over `estimate_run`'s (which GPU peaks calibrated: its caching allocator reuses
+#: each freed block at once): the process's anonymous memory (RssAnon) grew by 1.95-2.1 x the estimate in a bf16 run
+#: on this pack's CPU (benchmarks/host_memory.py, cpu-bf16, at widths 768 and 1024; docs/measurements.md).
+CPU_STEP_FACTOR = 2
 #: What the loader's `plan` input may ask for: the fastest plan that fits, every block resident, every block streamed.
 PLAN_CHOICES = ("auto", "resident", "stream")
 #: ComfyUI's VRAM modes as the bridge reports them: normal, low (--lowvram), no (--novram), high (--highvram).
@@ -286,7 +290,7 @@ def sampling_phases(weights: LayeredWeights, config: DiTConfig, run: RunShape, i
 
     def step(transient: int, prefill: bool = False) -> int:  # one forward's transient with the step cache's tensors
         across, between = step_cache_bytes(config, run, itemsize, prefill)
-        return max(transient + across, between)
+        return max(transient * (CPU_STEP_FACTOR if unified else 1) + across, between)
 
     if not cached:
         return {"uncached": base + step(full.step)}
