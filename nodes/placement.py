@@ -55,10 +55,17 @@ def place(module: torch.nn.Module, layers=(), streamed=(), on_unload=None, memor
     weights = file_weights(module)
     if weights is not None and weights.waiting:
         read_from_file(module, weights, layers, streamed, memory_required, wanted)
+        kept = getattr(getattr(module, "manager", None), "model", None)
+        if isinstance(kept, FileBackedPart):  # ComfyUI's patcher: already there, so it counts nothing more to load
+            kept.device = kept.placed_device()
 
     def resident():
         part = resident_part(module, layers, streamed)
-        return part if weights is None else FileBackedPart(part, weights)  # evicted: back to its file
+        if weights is None:
+            return part
+        part = FileBackedPart(part, weights)  # evicted: back to its file
+        part.device = part.placed_device()  # read there already: ComfyUI frees room only for what still moves
+        return part
 
     device = bridge.load_managed(module, resident, streamed, on_unload, memory_required=memory_required, what=what,
                                  device=wanted)

@@ -130,6 +130,10 @@ class FileBackedPart(torch.nn.ModuleList):
         super().__init__(modules)
         object.__setattr__(self, "_file_weights", weights)  # not a submodule, not in the state dict
 
+    def placed_device(self) -> torch.device:
+        """Where its parameters are (the host while they wait on the file)."""
+        return next((p.device for p in self.parameters()), torch.device("cpu"))
+
     def to(self, *args, **kwargs):
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
