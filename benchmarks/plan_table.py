@@ -3,7 +3,8 @@
 No GPU or weights needed: the planner works from sizes (model/memory/planner.py). For each card, each workload at
 1024x1024 (text-to-image, a one-reference edit, a three-reference edit of 1024x1024 references, a 75-token prompt,
 batch 1, cfg 1) and each DiT weight format (bf16; int8: one byte per block linear weight plus a per-row fp32
-scale), it prints the plan of every phase and the predicted device peak.
+scale), it prints the plan of every phase, the predicted device peak and the host's peak over the whole pipeline
+(model/memory/host.py: the DiT deferred, the text encoder offloaded to host memory after encoding).
 
 Assumptions (flags change them): a card of N GiB gives a run N GiB minus 600 MiB (CUDA context, other processes)
 minus ComfyUI's 400 MiB reserve; 64 GiB of host RAM; the bf16 Qwen3-VL 8B text encoder; the released VAE in bf16.
@@ -21,6 +22,7 @@ from qi21.model.memory.estimate import (
     encode_transient,
     synthetic_encoder_weights,
 )
+from qi21.model.memory.host import plan_host
 from qi21.model.memory.planner import Budget, PlanError, RunShape, plan_layers, plan_run
 from qi21.model.memory.weights import synthetic_dit_weights
 from qi21.model.transformer.dit import DiTConfig  # noqa: E402
@@ -45,16 +47,17 @@ def rows(cards, host_gib: float, formats, size: int = 1024):
                     te = plan_layers(encoder, transient, budget)
                     te_label, te_peak = te.label, te.peak
                 except PlanError:
-                    te_label, te_peak = "does not fit", None
+                    te, te_label, te_peak = None, "does not fit", None
                 try:
                     plan = plan_run(weights, config, run, budget, itemsize, vae=vae)
                 except PlanError:
-                    yield (fmt, card, name, te_label, "does not fit", "", "", None, te_peak, None, None)
+                    yield (fmt, card, name, te_label, "does not fit", "", "", None, te_peak, None, None, None)
                     continue
                 phases = plan.phases
                 sampling = max(phases.get("prefill", 0), phases.get("cached", 0))
+                host = None if te is None else plan_host(encoder, te, weights, plan, vae.weight_bytes).peak
                 yield (fmt, card, name, te_label, plan.weights_label, plan.cache, plan.decode, sampling, te_peak,
-                       phases["decode"], plan.copied_per_step)
+                       phases["decode"], plan.copied_per_step, host)
 
 
 def gib(value) -> str:
@@ -71,12 +74,12 @@ def markdown(cards, host_gib, formats) -> str:
             lines += ["", f"**DiT weights {fmt}** ({synthetic_dit_weights(DiTConfig(), fmt).total / GIB:.1f} GiB)",
                       "",
                       "| GPU | workload | text encoder | DiT weights | prefix cache | decode | peak GiB: encode / "
-                      "sample / decode | copied per step |",
-                      "|---|---|---|---|---|---|---|---|"]
-        _, card, name, te, weights, cache, decode, sampling, te_peak, dec, copied = row
+                      "sample / decode | copied per step | host peak GiB |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+        _, card, name, te, weights, cache, decode, sampling, te_peak, dec, copied, host = row
         moved = "-" if copied is None else ("0" if copied == 0 else f"{copied / GIB:.1f} GiB")
         lines.append(f"| {card} GB | {name} | {te} | {weights} | {cache} | {decode} | {gib(te_peak)} / "
-                     f"{gib(sampling)} / {gib(dec)} | {moved} |")
+                     f"{gib(sampling)} / {gib(dec)} | {moved} | {gib(host)} |")
     return "\n".join(lines).lstrip()
 
 

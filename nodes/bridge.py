@@ -257,7 +257,8 @@ def _bytes_on(tensors, device: torch.device) -> int:
     for tensor in tensors:
         if tensor is not None and id(tensor) not in seen and tensor.device == device:
             seen.add(id(tensor))
-            total += tensor.numel() * tensor.element_size()
+            # what it holds: a weight still waiting on its file is a one-element placeholder of its shape
+            total += min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes())
     return total
 
 

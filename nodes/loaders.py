@@ -210,8 +210,11 @@ class QI21ModelLoader(io.ComfyNode):
         if split is not None:  # loaded by the workers on their devices, on the first run (nodes/parallel.py)
             bridge.log.info("qi21: %s will run split over %s (%s)", path.name, ", ".join(split.devices), parallel)
             return io.NodeOutput(with_options(split, devices=split.devices, parallel=parallel, **chosen))
-        model = load_or_free(load_dit, path, weight_dtype=default_dtype(weight_dtype, bridge.compute_device()),
-                             device=bridge.offload_device(), attention=attention)
+        runs_on = bridge.compute_device()
+        # for a GPU the weights wait on the file and are read straight to where the memory plan places them, not
+        # copied whole into RAM first (a 32 GB host holding the offloaded text encoder too is killed otherwise)
+        model = load_or_free(load_dit, path, weight_dtype=default_dtype(weight_dtype, runs_on),
+                             device=bridge.offload_device(), attention=attention, defer=runs_on.type != "cpu")
         model = with_options(model, fresh=True, build=lambda new: compile_blocks(new, compile), **chosen)
         bridge.log.info("qi21: loaded %s (%s layout, variant %s from %s)", path.name, model.source.layout,
                         model.source.variant, model.source.variant_from)

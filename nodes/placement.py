@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from ..model.layers.lora import release_branches
+from ..model.loaders.deferred import FileBackedPart, file_weights
 from ..model.memory.estimate import EncoderDims, VAEShape, encode_transient
 from ..model.memory.planner import PLAN_CHOICES, Budget, RunShape, plan_decode, plan_layers, plan_run
 from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
@@ -50,14 +51,41 @@ def place(module: torch.nn.Module, layers=(), streamed=(), on_unload=None, memor
     memory for the streamer: through ComfyUI's model management when it takes it, by hand otherwise."""
     streamed = tuple(streamed)
     wanted = device
-    device = bridge.load_managed(module, lambda: resident_part(module, layers, streamed), streamed, on_unload,
-                                 memory_required=memory_required, what=what, device=wanted)
+    weights = file_weights(module)
+    if weights is not None and weights.waiting:
+        read_from_file(module, weights, layers, streamed, memory_required, wanted)
+        kept = getattr(getattr(module, "manager", None), "model", None)
+        if isinstance(kept, FileBackedPart):  # ComfyUI's patcher: already there, so it counts nothing more to load
+            kept.device = kept.placed_device()
+
+    def resident():
+        part = resident_part(module, layers, streamed)
+        if weights is None:
+            return part
+        part = FileBackedPart(part, weights)  # evicted: back to its file
+        part.device = part.placed_device()  # read there already: ComfyUI frees room only for what still moves
+        return part
+
+    device = bridge.load_managed(module, resident, streamed, on_unload, memory_required=memory_required, what=what,
+                                 device=wanted)
     if device is None:
         device = torch.device(wanted) if wanted is not None else bridge.compute_device()
         if device.type != "cpu":
             bridge.free_memory(tensor_bytes(module_tensors(module)) + memory_required, device)
     place_layers(module, layers, streamed, device)
     return device
+
+
+def read_from_file(module, weights, layers, streamed, memory_required: int, device=None) -> None:
+    """A deferred model's waiting weights read from its file straight to where the plan places them: the streamed
+    layers' into (pinned) host memory, the rest onto the device, after ComfyUI made room there for them and the run
+    (loaders/deferred.py). Nothing passes through a whole copy in host memory."""
+    device = torch.device(device) if device is not None else bridge.compute_device()
+    on_host = {id(p) for i in streamed for p in layers[i].parameters()}
+    if device.type != "cpu":
+        bridge.free_memory(weights.waiting - sum(p.numel() * p.element_size() for p in module.parameters()
+                                                 if id(p) in on_host) + memory_required, device)
+    weights.materialize(lambda param: "cpu" if id(param) in on_host else device, pin=device.type == "cuda")
 
 
 def component_device(module) -> torch.device:
@@ -100,10 +128,12 @@ def run_shape(model, positive, negative, width: int, height: int, batch: int, pr
     cache_layers = None
     if control is not None:  # its blocks' K/V, and a partial window's plain cache beside (run_caches.py)
         cache_layers = layers + control.net.config.num_blocks + (0 if control.whole_schedule else layers)
+    steps = options_of(model).step_cache  # None: no step cache
     return RunShape(tuple(c.layout(grid).prefix_len for c in conditionings), grid, batch, negative is not None,
                     prefix_cache, tuple(h * w for h, w in positive.ref_shapes), cache_layers=cache_layers,
                     extra_row_buffers=0 if control is None else STREAM_ROW_BUFFERS,
-                    cache_dtype=options_of(model).cache.dtype)
+                    cache_dtype=options_of(model).cache.dtype, step_cache=steps.mode if steps else "off",
+                    step_cache_control=bool(steps and control is not None and steps.control == "recompute"))
 
 
 def dit_unloaded(model) -> None:

@@ -2,12 +2,15 @@
 plan chosen for a budget, refusals before any weight moves, and simulated budgets driving real (tiny) runs on the
 CPU: streamed blocks, a host-side cache, a tiled or one-pass decode."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import graph_fixtures as gf
 from qi21.model.memory.estimate import GIB, VAEShape, decode_transient, estimate_run, synthetic_encoder_weights
 from qi21.model.memory.planner import (
+    CPU_STEP_FACTOR,
     DEVICE_OVERHEAD,
     Budget,
     PlanError,
@@ -18,6 +21,7 @@ from qi21.model.memory.planner import (
     plan_run,
     sampling_phases,
     spread,
+    step_cache_bytes,
 )
 from qi21.model.memory.weights import dit_weights, synthetic_dit_weights
 from qi21.model.options import options_of
@@ -64,7 +68,8 @@ def test_the_prefill_prediction_builds_on_the_run_estimate():
     concat = 2 * (run.prefix_tokens[0] + run.target_tokens) * FULL.width * 2
     assert phases["prefill"] == BF16.total + est.total + concat + DEVICE_OVERHEAD
     unified = sampling_phases(BF16, FULL, run, 2, unified=True)
-    assert unified["prefill"] == BF16.total + est.total  # on a CPU: exactly the old estimate plus the weights
+    # on a CPU: the old estimate plus the weights, its forward's transient as measured there (CPU_STEP_FACTOR)
+    assert unified["prefill"] == BF16.total + est.total + (CPU_STEP_FACTOR - 1) * est.step
 
 
 @pytest.mark.parametrize("card, refs, weights, cache", [
@@ -353,3 +358,70 @@ def test_the_kept_cache_store_follows_the_planners_figure():
     store.budget_bytes = 2560  # a fixed ceiling still binds when it is the smaller
     assert store.limit_bytes == 2560
     store.clear()
+
+
+# -- the step cache's tensors ----------------------------------------------------------------------------------------
+def _held(skipper) -> int:
+    """Bytes of the tensors a StepCache holds now (each storage once)."""
+    tensors = [skipper._before, skipper._anchor, skipper._indicator, skipper._reference,
+               *(entry[1] for entry in (skipper._residual, skipper._previous) if entry is not None)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if t is not None}.values())
+
+
+@pytest.mark.parametrize("mode", ["t8", "extrapolate"])
+def test_the_planner_counts_what_the_step_cache_holds(monkeypatch, mode):
+    """A real run (CFG, batch 2) measured at every block: the most the step cache holds while blocks 1..N-1 run is
+    the planner's figure for it, within the planner's margin (predicted >= measured, at most 10% above); and every
+    sampling phase of the plan grows by it."""
+    from qi21.model.options import with_options
+    from qi21.model.sampling import step_cache as step_cache_module
+    from qi21.model.sampling.step_cache import StepCacheOptions
+    from qi21.model.transformer.dit import QwenImage21DiT
+    from test_step_cache import CONFIG, GRID, conditioning, run
+
+    torch.manual_seed(0)
+    model = QwenImage21DiT(CONFIG).eval()
+    with torch.no_grad():  # the step-cache tests' weights: finite, unit-scale
+        for param in model.parameters():
+            param.copy_(0.2 * torch.randn_like(param) + 1.0 if param.ndim == 1
+                        else torch.randn_like(param) / param.shape[1] ** 0.5)
+    seen, made = [], []
+    real_for_run = step_cache_module.StepCache.for_run
+
+    def for_run(*args, **kwargs):
+        made.append(real_for_run(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(step_cache_module.StepCache, "for_run", staticmethod(for_run))
+    for block in list(model.blocks)[1:]:
+        block.register_forward_pre_hook(lambda module, args: seen.append(_held(made[-1])))
+    options = StepCacheOptions(mode=mode, threshold=1e9, edit_threshold=1e9)
+    result = run(model, steps=20, step_cache=options, batch_size=2, negative=conditioning(seed=4), cfg=2.0)
+    assert "S" in result.report["step_cache"]["pattern"] and made  # skipped calls and full passes both ran
+    shape = RunShape((7, 7), GRID, batch=2, cfg=True, step_cache=mode)
+    across, _ = step_cache_bytes(CONFIG, shape, 4)
+    measured = max(seen)
+    print(f"step cache {mode}: measured {measured:,} B, predicted {across:,} B")
+    assert measured <= across <= 1.10 * measured
+    weights = dit_weights(model)
+    plain = sampling_phases(weights, CONFIG, replace(shape, step_cache="off"), 4, unified=True)
+    cached = sampling_phases(weights, CONFIG, shape, 4, unified=True)
+    prefill_across, _ = step_cache_bytes(CONFIG, shape, 4, prefill=True)
+    assert cached["cached"] - plain["cached"] == across
+    assert cached["prefill"] - plain["prefill"] == prefill_across
+    # the sampler nodes plan with the model copy's options (nodes/placement.py)
+    copy = with_options(model, step_cache=options)
+    assert placement.run_shape(copy, conditioning(), conditioning(seed=4), 128, 96, 2, True) == shape
+
+
+def test_the_step_cache_at_2048_px_batch_4_is_gigabytes_the_plan_counts():
+    run = RunShape.released(2048, references=1, batch=4, cfg=True)
+    with_cache = replace(run, step_cache="extrapolate")
+    across, between = step_cache_bytes(FULL, with_cache, 2)
+    assert across == 3 * 8 * 128 * 128 * 4096 * 4 + 2 * 8 * 2048 * 512 * 4  # anchor + 2 residuals, 8 samples
+    assert across > 6 * GIB and between < sampling_phases(BF16, FULL, run, 2)["cached"]
+    plain, more = plan_run(BF16, FULL, run, Budget.gpu(80 * GIB), 2), plan_run(BF16, FULL, with_cache,
+                                                                                Budget.gpu(80 * GIB), 2)
+    assert more.phases["cached"] == plain.phases["cached"] + across
+    assert RunShape.released(1024).step_cache == "off" and step_cache_bytes(FULL, run, 2) == (0, 0)

@@ -41,6 +41,7 @@ from .checkpoint import (
     read_weight_headers,
     rename_keys,
 )
+from .deferred import FileWeights, materialize_on_input, placeholder
 from .dit_keys import DiTSource, check_shapes, file_plan, infer_config, strip_prefix, variant_from_name
 
 # What the DiT loads as; fp8_e4m3fn stores the FP8_PARAMS weights in fp8 and computes in bf16.
@@ -127,7 +128,7 @@ def is_gguf(path) -> bool:
 
 
 def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str = "auto",
-             quantized_gemm: str = "auto") -> QwenImage21DiT:
+             quantized_gemm: str = "auto", defer: bool = False) -> QwenImage21DiT:
     """Load a Qwen-Image 2.1 DiT file or diffusers folder; `model.source` says what was loaded.
 
     `weight_dtype`: "default" (the file's float type), "bf16", "fp16", "fp32", "fp8_e4m3fn" (block weights
@@ -135,6 +136,9 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     `quantized_gemm` ("auto", "kernel", "dequantize"): how a quantized file's layers multiply (layers/formats.py
     `gemm_mode`; "auto": int8 kernels on CUDA, dequantized per layer on a CPU or MPS); `layers.kitchen.set_gemm`
     changes it later.
+    `defer`: check everything, but leave the weights on the file until the memory plan places them
+    (`model.file_weights`, deferred.py: read straight to the GPU or to pinned host memory, never a whole copy in
+    host memory first); `device` is then unused. Float files only: an fp8 or quantized one loads at once.
     """
     if quantized_gemm not in GEMM_MODES:
         raise ValueError(f"quantized_gemm must be one of {', '.join(GEMM_MODES)}, got {quantized_gemm!r}.")
@@ -176,8 +180,12 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     with torch.device("meta"):
         model = QwenImage21DiT(config, dtype=compute, attention=backend)
     try:
-        with WeightReader(raw) as reader:
-            _fill(model, plan, file_keys, reader, compute, fp8, torch.device(device), quant)
+        if defer and not fp8 and quant is None:
+            model.file_weights = _deferred(model, plan, file_keys, raw, compute, where)
+            model.register_forward_pre_hook(materialize_on_input, with_kwargs=True)
+        else:
+            with WeightReader(raw) as reader:
+                _fill(model, plan, file_keys, reader, compute, fp8, torch.device(device), quant)
     except BaseException:
         del model  # nothing half-loaded stays alive, also on KeyboardInterrupt
         raise
@@ -185,6 +193,31 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     model.compute_dtype = compute
     model.source = source
     return model.eval()
+
+
+def _copy_parts(target: torch.Tensor, keys, read) -> None:
+    """`target` filled from the file tensors `keys` stacked along dim 0 (a fused weight is several file tensors)."""
+    row = 0
+    for key in keys:
+        part = read(key)
+        if target.dtype == torch.float8_e4m3fn:
+            part = part.float().clamp_(-FP8_MAX, FP8_MAX)
+        target[row : row + part.shape[0]].copy_(part)
+        row += part.shape[0]
+        del part
+
+
+def _deferred(model, plan, file_keys: dict[str, str], raw, compute, where: str) -> FileWeights:
+    """Every planned parameter a placeholder on the file, and how to read it (deferred.py)."""
+    entries = []
+    for name, keys in plan.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = torch.nn.Parameter(placeholder(getattr(module, attr).shape, compute), requires_grad=False)
+        setattr(module, attr, param)
+        entries.append((param, lambda target, reader, keys=keys: _copy_parts(
+            target, keys, lambda key: reader.read(file_keys[key]))))
+    return FileWeights(raw, entries, f"DiT ({where})")
 
 
 def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute, fp8: bool, device,
@@ -204,14 +237,7 @@ def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute,
         module = model.get_submodule(module_name)
         dtype = torch.float8_e4m3fn if fp8 and FP8_PARAMS.fullmatch(name) else compute
         target = torch.empty(getattr(module, attr).shape, dtype=dtype, device=device)
-        row = 0
-        for key in keys:
-            part = reader.read(file_keys[key])
-            if dtype == torch.float8_e4m3fn:
-                part = part.float().clamp_(-FP8_MAX, FP8_MAX)
-            target[row : row + part.shape[0]].copy_(part)
-            row += part.shape[0]
-            del part
+        _copy_parts(target, keys, lambda key: reader.read(file_keys[key]))
         if dtype == torch.float8_e4m3fn:
             parent, _, leaf = module_name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, QuantLinear.from_fp8(target, compute))

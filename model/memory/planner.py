@@ -38,6 +38,10 @@ from .weights import LINEAR_ITEMSIZE, LayeredWeights, synthetic_dit_weights
 MIB = 2**20
 #: Added to every device phase off the CPU: cuBLAS/cuDNN workspaces, the caching allocator's rounding.
 DEVICE_OVERHEAD = 256 * MIB
+#: A forward's transient on a CPU over `estimate_run`'s (which GPU peaks calibrated: its caching allocator reuses
+#: each freed block at once): the process's anonymous memory (RssAnon) grew by 1.95-2.1 x the estimate in a bf16 run
+#: on this pack's CPU (benchmarks/host_memory.py, cpu-bf16, at widths 768 and 1024; docs/measurements.md).
+CPU_STEP_FACTOR = 2
 #: What the loader's `plan` input may ask for: the fastest plan that fits, every block resident, every block streamed.
 PLAN_CHOICES = ("auto", "resident", "stream")
 #: ComfyUI's VRAM modes as the bridge reports them: normal, low (--lowvram), no (--novram), high (--highvram).
@@ -105,6 +109,10 @@ class RunShape:
         extra_row_buffers: `(rows, width)` buffers a step holds besides the DiT's (a control stream: 3).
         cache_dtype: how the cache stores its rows ("default": the compute dtype; "int8" / "int4": quantized,
             scales included; transformer/cache_storage.py).
+        step_cache: the step cache's mode ("off", "t8", "extrapolate"; sampling/step_cache.py): it holds fp32
+            target-sized tensors across the blocks (`step_cache_bytes`).
+        step_cache_control: the step cache recomputes a Fun ControlNet's later skips (its `control` "recompute"):
+            the control stream sums them in one more fp32 target-sized tensor for the length of a forward.
     """
 
     prefix_tokens: tuple[int, ...]
@@ -116,6 +124,8 @@ class RunShape:
     cache_layers: int | None = None
     extra_row_buffers: int = 0
     cache_dtype: str = "default"
+    step_cache: str = "off"
+    step_cache_control: bool = False
 
     @property
     def target_tokens(self) -> int:
@@ -237,6 +247,36 @@ def storage_transient(config: DiTConfig, run: RunShape, itemsize: int) -> int:
     return 2 * sum(run.prefix_tokens) * width * itemsize + 2 * DECODE_ROWS * width * FP32
 
 
+def step_cache_bytes(config: DiTConfig, run: RunShape, itemsize: int, prefill: bool = False) -> tuple[int, int]:
+    """(bytes the step cache holds while the blocks after block 0 run, bytes it holds at its largest between blocks)
+    of one forward; (0, 0) without a step cache. Every tensor is fp32 over the target rows of every sample (both CFG
+    halves): `t` = samples x target tokens x width x 4 bytes (step_cache.py):
+
+        across the blocks   block 0's output kept to take the residual from (the anchor), the last full pass's
+                            residual, the one before it (extrapolate), a Fun ControlNet's summed later skips
+                            (recompute), and two sampled copies (every 8th row and channel: the indicator now and
+                            at the last full pass)
+        between blocks      after the last block: the anchor, the old residuals, the new one and the target rows
+                            in fp32 (a copy unless the compute dtype is fp32); on a skipped call: the residuals,
+                            the fp32 rows, their sum and the extrapolation's two temporaries
+
+    The prefill is a run's first call: no residual yet. The first figure adds to the block transient; the second
+    replaces it (the blocks' buffers are gone by then)."""
+    if run.step_cache == "off":
+        return 0, 0
+    samples = run.batch * (2 if run.cfg else 1)
+    t = samples * run.target_tokens * config.width * FP32
+    sampled = 2 * samples * -(-run.target_tokens // 8) * -(-config.width // 8) * FP32
+    extrapolate = run.step_cache == "extrapolate"
+    kept = 0 if prefill else 1 + extrapolate  # the residuals of the last one or two full passes
+    copy = int(itemsize != FP32)  # `.float()` of the target rows copies them unless they already are fp32
+    control = int(run.step_cache_control)
+    across = (1 + kept + control) * t + sampled
+    after = (1 + kept + 1 + copy + control) * t + sampled
+    skipped = 0 if prefill else (kept + copy + 1 + 2 * extrapolate) * t + sampled
+    return across, max(after, skipped)
+
+
 def sampling_phases(weights: LayeredWeights, config: DiTConfig, run: RunShape, itemsize: int,
                     streamed=(), cache: str = "device", unified: bool = False) -> dict[str, int]:
     """Predicted device peak of each sampling phase with these choices (bytes)."""
@@ -247,14 +287,19 @@ def sampling_phases(weights: LayeredWeights, config: DiTConfig, run: RunShape, i
     # off the CPU each sample's keys and values are [prefix | target] concatenated for the target attention
     concat = 0 if unified else 2 * run.batch * (max(prefix, default=0) + run.target_tokens) * config.width * itemsize
     base = weights.device_bytes(streamed) + full.latents + concat + (0 if unified else DEVICE_OVERHEAD)
+
+    def step(transient: int, prefill: bool = False) -> int:  # one forward's transient with the step cache's tensors
+        across, between = step_cache_bytes(config, run, itemsize, prefill)
+        return max(transient * (CPU_STEP_FACTOR if unified else 1) + across, between)
+
     if not cached:
-        return {"uncached": base + full.step}
+        return {"uncached": base + step(full.step)}
     per_layer = full.cache // (run.cache_layers or config.num_layers)
     on_device = full.cache if cache == "device" else STREAM_SLOTS * per_layer
     quantized = storage_transient(config, run, itemsize)
     return {
-        "prefill": base + full.step + (full.cache if cache == "device" else 0) + quantized,
-        "cached": base + targets_only.step + on_device + quantized,
+        "prefill": base + step(full.step, prefill=True) + (full.cache if cache == "device" else 0) + quantized,
+        "cached": base + step(targets_only.step) + on_device + quantized,
     }
 
 
