@@ -162,8 +162,12 @@ def pair_problem(record: ModelOptions) -> str | None:
 
 
 def options_of(model) -> ModelOptions:
-    """The record a model copy carries; `PLAIN` for a model no node has set one on."""
-    return getattr(model, "options", None) or PLAIN
+    """The record a model copy carries; `PLAIN` for a model no node has set one on (a split model made through the
+    Python API without one: its devices)."""
+    record = getattr(model, "options", None)
+    if record is None and isinstance(model, SplitModel):
+        return ModelOptions(devices=tuple(model.devices), parallel=model.mode)
+    return record or PLAIN
 
 
 def with_options(model, *, build=None, fresh: bool = False, **changes):
@@ -203,6 +207,8 @@ def with_cache_options(model, device: str = "auto", dtype: str = "default"):
     """`with_options` for the Prefix Cache node: the storage is checked on the model (an int8 / int4 cache needs
     comfy-kitchen and a row width its layouts take), so a graph that cannot run it fails there, naming `dtype`."""
     options = CacheOptions(device, dtype)
+    if options.dtype == "default":  # nothing to check: an unchanged record returns the model itself
+        return with_options(model, cache=options)
     return with_options(model, cache=options, build=lambda new: check_cache_storage(new, options))
 
 

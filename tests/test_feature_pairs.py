@@ -211,3 +211,16 @@ def test_with_options_copies_the_model_and_never_changes_its_input(parts):
         with_options(model, stepcache=options)
     with pytest.raises(ValueError, match="compile must be one of"):
         with_options(model, compile="everything")
+
+
+def test_a_split_model_made_through_the_api_carries_its_devices_and_takes_a_step_cache():
+    """The split model is a recipe, not a module: setting an option copies the recipe (it used to fail with
+    "'SplitModel' object has no attribute '_modules'"), and what it cannot take is refused by name."""
+    split = SplitModel(devices=("cpu", "cpu"), build=None, args=())
+    assert options_of(split).split and options_of(split).devices == ("cpu", "cpu")
+    with_cache = with_options(split, step_cache=ALWAYS)
+    assert isinstance(with_cache, SplitModel) and with_cache.key == split.key
+    assert options_of(with_cache).step_cache == ALWAYS and split.options is None
+    with pytest.raises(ValueError, match="the Model Loader.s compile and") as refused:
+        with_options(with_cache, compile="blocks")
+    assert "the Model Loader's devices / parallel" in str(refused.value)
