@@ -71,21 +71,24 @@ def model_choices(kind: str) -> list[str]:
 
 def model_path(kind: str, name: str) -> Path:
     """Where `name` (as listed by `model_choices`) lives; a clear error naming the folders otherwise."""
-    if name.startswith(DIFFUSERS_PREFIX):
-        for root in _folders("diffusers"):
-            if (root / name[len(DIFFUSERS_PREFIX):]).is_dir():
-                return root / name[len(DIFFUSERS_PREFIX):]
-    elif HAVE_COMFY:
-        found = _folder_paths.get_full_path(kind, name)
-        if found:
-            return Path(found)
-    else:
-        for folder in _folders(kind):
-            if (folder / name).is_file():
-                return folder / name
+    try:
+        if name.startswith(DIFFUSERS_PREFIX):
+            for root in _folders("diffusers"):
+                if (root / name[len(DIFFUSERS_PREFIX):]).is_dir():
+                    return root / name[len(DIFFUSERS_PREFIX):]
+        elif HAVE_COMFY:
+            found = _folder_paths.get_full_path(kind, name)
+            if found:
+                return Path(found)
+        else:
+            for folder in _folders(kind):
+                if (folder / name).is_file():
+                    return folder / name
+    except (OSError, ValueError):  # a name no file can have (too long, a NUL): not there, said as below
+        pass
     places = ", ".join(str(f) for f in _folders(kind) + _folders("diffusers")) or "(no models folder configured)"
-    raise FileNotFoundError(f"{name!r} was not found in the {kind} folders ({places}). Refresh the list or copy the "
-                            "file there.")
+    raise FileNotFoundError(f"{shown(name, 60)} was not found in the {kind} folders ({places}). Refresh the list or "
+                            "copy the file there.")
 
 
 def comfy_tokenizer_dir() -> Path | None:
@@ -440,7 +443,7 @@ def sampler_object(name: str = "euler"):
 
         return comfy.samplers.sampler_object(name)
     if name != "euler":
-        raise ValueError(f"sampler {name!r} needs ComfyUI; without it only the stand-in 'euler' exists.")
+        raise ValueError(f"sampler {shown(name, 60)} needs ComfyUI; without it only the stand-in 'euler' exists.")
     from .comfy_standin import EulerSampler
 
     return EulerSampler()

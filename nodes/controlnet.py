@@ -102,10 +102,13 @@ class QI21ControlNetApply(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, start_percent=0.0, end_percent=1.0, **kwargs):
+        ranged = widget_problem(cls, start_percent=start_percent, end_percent=end_percent, **kwargs)
+        if ranged is not True:  # first: a string or 10**400 is named, never compared
+            return ranged
         if start_percent is not None and end_percent is not None and start_percent > end_percent:
             return (f"start_percent {start_percent} is after end_percent {end_percent}: the control would never "
                     "apply. Use start_percent <= end_percent.")
-        return widget_problem(cls, start_percent=start_percent, end_percent=end_percent, **kwargs)
+        return True
 
     @classmethod
     def execute(cls, model, control_net, vae, strength=1.0, start_percent=0.0, end_percent=1.0, control_image=None,

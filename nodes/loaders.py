@@ -22,7 +22,7 @@ from .bridge import io
 from .parallel import DEVICES_TOOLTIP, PARALLEL_MODES, PARALLEL_TOOLTIP, rank_problem, split_model
 from .placement import PLAN_TOOLTIP
 from .types import CATEGORY, VAE, Model, TextEncoder
-from .validation import refuse_unknown_inputs, require, widget_problem
+from .validation import quoted, refuse_unknown_inputs, require, widget_problem
 
 
 def _choices(kind: str) -> list[str]:
@@ -40,7 +40,7 @@ def _choices(kind: str) -> list[str]:
 def _not_listed(kind: str, name) -> str | None:
     if name in _choices(kind):
         return None
-    return f"{name!r} is not in the {kind} folders; pick a listed file or refresh (R) after copying it there."
+    return f"{quoted(name)} is not in the {kind} folders; pick a listed file or refresh (R) after copying it there."
 
 
 def file_problem(node, kind: str, name, **widgets) -> str | bool:

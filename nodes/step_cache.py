@@ -72,10 +72,13 @@ class QI21StepCache(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, start_percent=None, end_percent=None, **kwargs):
+        ranged = widget_problem(cls, start_percent=start_percent, end_percent=end_percent, **kwargs)
+        if ranged is not True:  # first: a string or 10**400 is named, never compared
+            return ranged
         if start_percent is not None and end_percent is not None and not start_percent < end_percent:
             return (f"start_percent ({start_percent}) must be less than end_percent ({end_percent}), within [0, 1]: "
                     "steps are skipped only between them.")
-        return widget_problem(cls, start_percent=start_percent, end_percent=end_percent, **kwargs)
+        return True
 
     @classmethod
     def execute(cls, model, mode="t8", threshold=THRESHOLD, edit_threshold=EDIT_THRESHOLD,

@@ -158,3 +158,28 @@ def test_the_route_reads_a_body_that_arrives_in_parts():
     assert asyncio.run(bridge.read_capped(read, 100_000)) is None and len(calls) <= 101
     read, _ = reader(b"")
     assert asyncio.run(bridge.read_capped(read, 10)) == b""
+
+
+def test_window_inputs_are_range_checked_before_they_are_compared():
+    from qi21.nodes.controlnet import QI21ControlNetApply
+    from qi21.nodes.step_cache import QI21StepCache
+
+    for node in (QI21StepCache, QI21ControlNetApply):
+        assert "start_percent = 'x': expected a number" in node.validate_inputs(start_percent="x", end_percent=0.5)
+        message = node.validate_inputs(start_percent=HUGE, end_percent=0.5)
+        assert "start_percent = an integer of about 401 digits" in message and len(message) < 200
+    assert "start_percent" in QI21StepCache.validate_inputs(start_percent=0.9, end_percent=0.2)  # the order, as before
+
+
+@pytest.mark.parametrize("loader, name_input", [("QI21ModelLoader", "model_name"), ("QI21VAELoader", "vae_name"),
+                                                ("QI21TextEncoderLoader", "text_encoder_name"),
+                                                ("QI21LoraLoader", "lora_name")])
+def test_a_10000_character_file_name_is_quoted_short(models_root, loader, name_input):
+    from qi21.nodes import NODES
+
+    node = next(n for n in NODES if n.__name__ == loader)
+    message = node.validate_inputs(**{name_input: "m" * 10_000})
+    assert "(10,000 characters) is not in the" in message and len(message) < 300, message[:400]
+    with pytest.raises(FileNotFoundError) as raised:
+        bridge.model_path("vae", "v" * 10_000)
+    assert len(str(raised.value)) < 1000
