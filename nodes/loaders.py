@@ -260,7 +260,8 @@ class QI21TextEncoderLoader(io.ComfyNode):
         path = checked_path(cls, "text_encoders", text_encoder_name, weight_dtype=weight_dtype, device=device)
         runs_on = chosen or bridge.compute_device()
         encoder = load_or_free(load_text_encoder, path, weight_dtype=default_dtype(weight_dtype, runs_on),
-                               device=bridge.offload_device(), fallback_tokenizer_dir=bridge.comfy_tokenizer_dir())
+                               device=bridge.offload_device(), fallback_tokenizer_dir=bridge.comfy_tokenizer_dir(),
+                               defer=runs_on.type != "cpu")  # for a GPU: read from the file when placed
         encoder.preferred_device = chosen
         return io.NodeOutput(encoder)
 

@@ -18,6 +18,7 @@ import torch
 from ..model.layers.lora import release_branches
 from ..model.loaders.deferred import FileBackedPart, file_weights
 from ..model.memory.estimate import EncoderDims, VAEShape, encode_transient
+from ..model.memory.host import keeps_in_ram
 from ..model.memory.planner import PLAN_CHOICES, Budget, RunShape, plan_decode, plan_layers, plan_run
 from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
 from ..model.memory.weights import dit_weights, layered_weights, module_tensors, run_layers, tensor_bytes
@@ -62,7 +63,7 @@ def place(module: torch.nn.Module, layers=(), streamed=(), on_unload=None, memor
         part = resident_part(module, layers, streamed)
         if weights is None:
             return part
-        part = FileBackedPart(part, weights)  # evicted: back to its file
+        part = FileBackedPart(part, weights, keep=host_has_room)  # evicted: to RAM if it has room, else its file
         part.device = part.placed_device()  # read there already: ComfyUI frees room only for what still moves
         return part
 
@@ -74,6 +75,11 @@ def place(module: torch.nn.Module, layers=(), streamed=(), on_unload=None, memor
             bridge.free_memory(tensor_bytes(module_tensors(module)) + memory_required, device)
     place_layers(module, layers, streamed, device)
     return device
+
+
+def host_has_room(nbytes: int) -> bool:
+    """An evicted or offloaded file-backed model stays in RAM (fast to bring back) only with room to spare."""
+    return keeps_in_ram(nbytes, bridge.memory_limit(torch.device("cpu")))
 
 
 def read_from_file(module, weights, layers, streamed, memory_required: int, device=None) -> None:
@@ -109,13 +115,19 @@ def on_device(module: torch.nn.Module, device: torch.device | None = None, offlo
         device = place(module, layers, streamed, memory_required=memory_required, what=type(module).__name__,
                        device=device)
     else:
-        if device.type != "cpu":
+        weights = file_weights(module)
+        if weights is not None and weights.waiting:  # read from its file straight to where it runs
+            read_from_file(module, weights, layers, streamed, memory_required, device)
+        elif device.type != "cpu":
             bridge.free_memory(tensor_bytes(module_tensors(module)) + memory_required, device)
         place_layers(module, layers, streamed, device)
     try:
         yield device
     finally:
         if offload_after and not managed and device != bridge.offload_device():
+            weights = file_weights(module)
+            if weights is not None and not host_has_room(tensor_bytes(module_tensors(module))):
+                weights.release()  # back to its file, not into host memory: the next encoding reads it again
             module.to(bridge.offload_device())
             bridge.empty_cache()
 

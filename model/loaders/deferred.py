@@ -111,24 +111,29 @@ def file_weights(model) -> FileWeights | None:
     return getattr(model, "file_weights", None)
 
 
-def materialize_on_input(module, args, kwargs):
-    """A forward pre-hook of a deferred model run without a plan (the Python API): its weights are read onto the
-    device of its first tensor input."""
-    weights = file_weights(module)
-    if weights is not None and weights.waiting:
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        device = first.device if first is not None else torch.device("cpu")
-        weights.materialize(lambda param: device)
+def materialize_on_input(weights: FileWeights):
+    """A forward pre-hook for a deferred model run without a plan (the Python API): its waiting weights are read
+    onto the device of the call's first tensor input (the host without one)."""
+
+    def hook(module, args, kwargs):
+        if weights.waiting:
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            device = first.device if first is not None else torch.device("cpu")
+            weights.materialize(lambda param: device)
+
+    return hook
 
 
 class FileBackedPart(torch.nn.ModuleList):
     """The modules a host's memory manager (ComfyUI) loads and unloads for a deferred model: moved to the host, its
     file-backed parameters go back to their file instead of into host memory (nothing to hold: the next placement
-    reads them again), and moved to a device, any still waiting are read straight there."""
+    reads them again) unless `keep(bytes)` says the host has room for them (then they move as usual, and the next
+    placement is a copy from RAM); moved to a device, any still waiting are read straight there."""
 
-    def __init__(self, modules, weights: FileWeights):
+    def __init__(self, modules, weights: FileWeights, keep=None):
         super().__init__(modules)
         object.__setattr__(self, "_file_weights", weights)  # not a submodule, not in the state dict
+        object.__setattr__(self, "_keep", keep)
 
     def placed_device(self) -> torch.device:
         """Where its parameters are (the host while they wait on the file)."""
@@ -139,7 +144,9 @@ class FileBackedPart(torch.nn.ModuleList):
         if device is not None:
             device = torch.device(device)
             if device.type == "cpu":
-                self._file_weights.release(self.parameters())
+                held = sum(p.numel() * p.element_size() for p in self.parameters() if p.device.type != "cpu")
+                if self._keep is None or not self._keep(held):
+                    self._file_weights.release(self.parameters())
             else:
                 mine = {id(p) for p in self.parameters()}
                 self._file_weights.materialize(lambda param: device, only=mine)

@@ -182,7 +182,7 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     try:
         if defer and not fp8 and quant is None:
             model.file_weights = _deferred(model, plan, file_keys, raw, compute, where)
-            model.register_forward_pre_hook(materialize_on_input, with_kwargs=True)
+            model.register_forward_pre_hook(materialize_on_input(model.file_weights), with_kwargs=True)
         else:
             with WeightReader(raw) as reader:
                 _fill(model, plan, file_keys, reader, compute, fp8, torch.device(device), quant)

@@ -55,6 +55,7 @@ from .checkpoint import (
     read_weight_headers,
     rename_keys,
 )
+from .deferred import FileWeights, materialize_on_input, placeholder
 
 log = logging.getLogger(__name__)
 
@@ -281,8 +282,10 @@ def build_empty_model(config: Qwen3VLConfig, device) -> Qwen3VLModel:
     return model
 
 
-def fill_model(model: nn.Module, plan: dict[str, str], infos: dict, dtype: torch.dtype, device, path: Path) -> None:
-    """Read every parameter from its file into `dtype` on `device`, one tensor at a time."""
+def fill_model(model: nn.Module, plan: dict[str, str], infos: dict, dtype: torch.dtype, device, path: Path,
+               defer: bool = False) -> None:
+    """Read every parameter from its file into `dtype` on `device`, one tensor at a time; with `defer`, leave each a
+    placeholder read when placed (`model.file_weights`, deferred.py)."""
     # parameters already filled (the quantized layers, see `load_text_encoder`) are skipped
     params = {name: param for name, param in model.named_parameters() if param.is_meta}
     missing = [name for name in params if name not in plan]
@@ -292,11 +295,23 @@ def fill_model(model: nn.Module, plan: dict[str, str], infos: dict, dtype: torch
              if tuple(infos[plan[n]].shape) != tuple(p.shape)]
     if wrong:
         raise CheckpointError(f"{path.name}: tensor shapes do not fit one Qwen3-VL model: {'; '.join(wrong[:3])}.")
-    with WeightReader(infos) as reader:
-        for name in params:
-            tensor = reader.load(plan[name], dtype, device)  # a copy of its own, never a view of the file
+    if defer:
+        entries = []
+        for name, param in params.items():
             parent, _, leaf = name.rpartition(".")
-            model.get_submodule(parent)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+            kept = nn.Parameter(placeholder(param.shape, dtype), requires_grad=False)
+            model.get_submodule(parent)._parameters[leaf] = kept
+            entries.append((kept, lambda target, reader, key=plan[name]: target.copy_(reader.read(key))))
+        model.file_weights = FileWeights(infos, entries, f"text encoder ({path.name})")
+        # encoding calls the language model and the vision tower directly: each reads the weights if still waiting
+        for part in (model, *model.children()):
+            part.register_forward_pre_hook(materialize_on_input(model.file_weights), with_kwargs=True)
+    else:
+        with WeightReader(infos) as reader:
+            for name in params:
+                tensor = reader.load(plan[name], dtype, device)  # a copy of its own, never a view of the file
+                parent, _, leaf = name.rpartition(".")
+                model.get_submodule(parent)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"Text encoder tensors left unloaded: {left[:3]}.")
@@ -321,7 +336,7 @@ def _fill_quantized(model: nn.Module, plan: dict[str, str], quant, infos: dict, 
 
 
 def load_text_encoder(path, weight_dtype="default", device="cpu", tokenizer_dir=None, fallback_tokenizer_dir=None,
-                      *, dtype=None) -> QwenImageTextEncoder:
+                      *, dtype=None, defer: bool = False) -> QwenImageTextEncoder:
     """The Qwen-Image 2.1 text encoder from a single file or a diffusers folder, ready to `encode`.
 
     Args:
@@ -332,6 +347,8 @@ def load_text_encoder(path, weight_dtype="default", device="cpu", tokenizer_dir=
         tokenizer_dir: a tokenizer/processor folder that overrides the search.
         fallback_tokenizer_dir: tried last (ComfyUI's bundled `qwen25_tokenizer`, passed by the nodes).
         dtype: the former name of `weight_dtype`, still accepted from existing callers.
+        defer: check everything, but leave the weights on the file until placed (deferred.py: read straight to
+            the GPU, never a whole copy in host memory first). Float files only: a quantized one loads at once.
     """
     if dtype is not None:
         if weight_dtype != "default":
@@ -361,5 +378,5 @@ def load_text_encoder(path, weight_dtype="default", device="cpu", tokenizer_dir=
     model = build_empty_model(config, device)
     if quant is not None:
         _fill_quantized(model, plan, quant, file_infos, chosen, device)
-    fill_model(model, plan, infos, chosen, device, path)
+    fill_model(model, plan, infos, chosen, device, path, defer=defer and quant is None)
     return QwenImageTextEncoder(model, tokenizer, image_processor, source=str(path))
