@@ -8,7 +8,6 @@ tested with a threshold so large that every call the rule allows is skipped (`AL
 realistic threshold only for determinism. Quality is benchmarks/bench_step_cache.py's job, on a trained model.
 """
 
-import dataclasses
 
 import pytest
 import torch
@@ -213,10 +212,7 @@ def test_the_fun_controlnet_reuses_its_skips_and_restarts_where_its_window_chang
     assert torch.isfinite(result.latents).all()
 
 
-RECOMPUTE = dataclasses.replace(ALWAYS, control="recompute")
-
-
-def test_recompute_runs_the_later_control_blocks_and_adds_their_fresh_skips(model, controlled):
+def test_a_skipped_controlled_call_replays_the_later_control_skips_inside_the_residual(model, controlled):
     whole = controlled((0.0, 1.0))
     net, cond = whole.control_net, conditioning()
     prefixes = [PrefixInputs(layout=cond.layout(GRID), text=cond.text)]
@@ -233,65 +229,22 @@ def test_recompute_runs_the_later_control_blocks_and_adds_their_fresh_skips(mode
         stream = whole.control.stream(GRID, 4, "cpu", torch.float32, net=net)
         return whole(x, sigma, prefixes, control=stream, step_cache=stepper.call(sigma, key=True))
 
-    skipped = {}
     try:
         with torch.no_grad():
-            for name, options in (("reuse", ALWAYS), ("recompute", RECOMPUTE)):
-                stepper = StepCache(options, [1.0, 0.5, 0.0], edit=False, num_layers=4)
-                forward(stepper, x_a, 1.0)
-                full = dict(out)
-                out.clear()
-                skipped[name] = forward(stepper, x_b, 0.5)
-                assert stepper.records[1][2] and stepper.report()["control"] == name
-                ran = {"reuse": [("base", 0), ("skip", 0)], "recompute": [("base", 0), ("skip", 0), ("skip", 1)]}
-                assert sorted(out) == ran[name], "base blocks 1..3 never run on a skipped call; control block 1 " \
-                                                  "only when recomputed"
-                now = dict(out)
-                out.clear()
+            stepper = StepCache(ALWAYS, [1.0, 0.5, 0.0], edit=False, num_layers=4)
+            forward(stepper, x_a, 1.0)
+            full = dict(out)
+            out.clear()
+            skipped = forward(stepper, x_b, 0.5)
+            assert stepper.records[1][2] and stepper.report()["control"] == "reuse"
+            assert sorted(out) == [("base", 0), ("skip", 0)], "base blocks 1..3 and control block 1 never run"
             _, _, final_scale, rows_b = whole.prepare(x_b, 0.5, prefixes)
     finally:
         for hook in hooks:
             hook.remove()
-    block_0 = now[("base", 0)] + now[("skip", 0)]  # what the step cache sees after block 0
+    block_0 = out[("base", 0)] + out[("skip", 0)]  # what the step cache sees after block 0
     residual = full[("base", 3)] - full[("base", 0)] - full[("skip", 0)]  # blocks 1..3, control block 1's skip in it
-    reuse = whole.final_layer(block_0 + residual, final_scale, rows_b)
-    recompute = whole.final_layer(block_0 + residual - full[("skip", 1)] + now[("skip", 1)], final_scale, rows_b)
-    torch.testing.assert_close(skipped["reuse"], reuse, rtol=0, atol=1e-5)
-    torch.testing.assert_close(skipped["recompute"], recompute, rtol=0, atol=1e-5)
-    assert (skipped["reuse"] - skipped["recompute"]).abs().max() > 1e-3, "the fresh skip differs from the last one"
-
-
-def test_recompute_through_the_loop_runs_every_control_block_on_every_call(model, controlled):
-    whole = controlled((0.0, 1.0))
-    later_control_block = count_calls(whole.control_net.blocks[1])
-    recompute = run(whole, step_cache=RECOMPUTE)
-    assert recompute.report["step_cache"]["pattern"] == PATTERN_20 and len(later_control_block) == 20
-    reuse = run(whole, step_cache=ALWAYS)
-    assert len(later_control_block) == 30  # reuse: only the 10 full calls run it
-    assert (recompute.report["step_cache"]["control"], reuse.report["step_cache"]["control"]) == ("recompute", "reuse")
-    assert not torch.equal(recompute.latents, reuse.latents) and torch.isfinite(recompute.latents).all()
-    assert torch.equal(run(whole, step_cache=RECOMPUTE).latents, recompute.latents)  # deterministic
-    # without a control stream there is nothing to recompute: the same run as reuse, and the report says none ran
-    plain = run(model, step_cache=RECOMPUTE)
-    assert plain.report["step_cache"]["control"] is None
-    assert torch.equal(plain.latents, run(model, step_cache=ALWAYS).latents)
-
-
-def test_recompute_at_zero_strength_is_reuse(model, controlled):
-    """The node refuses strength 0 (the model comes back unpatched), so the patch is set to 0 here: every skip is
-    zero, so the residual without the later skips is the residual and the fresh skips add nothing."""
-    zero = controlled((0.0, 1.0))
-    zero.control = dataclasses.replace(zero.control, strength=0.0)
-    recompute, reuse = run(zero, steps=10, step_cache=RECOMPUTE), run(zero, steps=10, step_cache=ALWAYS)
-    assert recompute.report["step_cache"]["skipped"] > 0
-    assert torch.equal(recompute.latents, reuse.latents)
-
-
-def test_recompute_with_a_realistic_threshold_decides_deterministically(model, controlled):
-    whole, options = controlled((0.0, 1.0)), StepCacheOptions(threshold=0.8, control="recompute")
-    first, second = (run(whole, step_cache=options, seed=7) for _ in range(2))
-    assert "S" in first.report["step_cache"]["pattern"]
-    assert first.report["step_cache"] == second.report["step_cache"] and torch.equal(first.latents, second.latents)
+    torch.testing.assert_close(skipped, whole.final_layer(block_0 + residual, final_scale, rows_b), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -352,9 +305,6 @@ def test_the_node_checks_its_window_and_the_copy_keeps_the_models_prefix(model):
         QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.5, 0.5, 2)
     copy = QI21StepCache.execute(model, "extrapolate", 0.1, 0.02, 0.2, 0.9, 3)[0]
     assert step_cache_options(copy) == StepCacheOptions("extrapolate", 0.1, 0.02, 0.2, 0.9, 3)
-    assert step_cache_options(copy).control == "reuse"  # a workflow saved before the control input: as it was
-    recompute = QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "recompute")[0]
-    assert step_cache_options(recompute).control == "recompute"
     with pytest.raises(ValueError, match="control"):
         QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "again")
     assert step_cache_options(model) is None and copy.blocks[0].qkv.weight is model.blocks[0].qkv.weight
@@ -378,17 +328,31 @@ def test_the_benchmark_measures_exact_as_exact_through_the_nodes(benchmark_scrip
     assert skipping["skipped"] > 0 and skipping["psnr_mean"] < float("inf") and skipping["patterns"][0][:2] == "FF"
 
 
-def test_the_benchmark_runs_with_the_fun_controlnet_both_ways(benchmark_script, tiny_models):
+def test_the_benchmark_runs_with_the_fun_controlnet(benchmark_script, tiny_models):
     bench = benchmark_script("bench_step_cache")
-    try:  # 2 control blocks for the tiny DiT's 2: one after the last block, recomputed on a skipped step
+    try:  # 2 control blocks for the tiny DiT's 2: one after the last block
         summary = bench.main(["--models", str(tiny_models["root"]), "--prompts", "1", "--edits", "0", "--steps", "8",
-                              "--size", "128", "--control", "--control-blocks", "2",
-                              "--settings", "t8:0", "t8:1", "t8:1+recompute"])
+                              "--size", "128", "--control", "--control-blocks", "2", "--settings", "t8:0", "t8:1"])
     finally:
         from qi21.nodes import bridge
 
         bridge.set_models_root(None)
-    exact, reuse, recompute = (summary[(name, "t2i")] for name in ("t8:0", "t8:1", "t8:1+recompute"))
+    exact, reuse = (summary[(name, "t2i")] for name in ("t8:0", "t8:1"))
     assert exact["psnr_min"] == float("inf") and exact["control"] is None  # threshold 0: no step cache at all
-    assert (reuse["control"], recompute["control"]) == ("reuse", "recompute")
-    assert reuse["skipped"] == recompute["skipped"] > 0 and reuse["blocks_skipped"] > recompute["blocks_skipped"]
+    assert reuse["control"] == "reuse" and reuse["skipped"] > 0
+    # a skipped step runs base block 0 and control block 0 of 2 + 2: half the block work of each skipped step saved
+    assert reuse["blocks_skipped"] == pytest.approx(reuse["skipped"] * 2 / 4)
+
+
+def test_a_workflow_saved_with_the_retired_recompute_runs_as_reuse_and_says_so_once(model, caplog):
+    from qi21.nodes import step_cache as node
+
+    node._told.clear()
+    with caplog.at_level("WARNING", logger="qi21"):
+        recompute = node.QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "recompute")[0]
+        again = node.QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "recompute")[0]
+    reuse = node.QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "reuse")[0]
+    assert step_cache_options(recompute) == step_cache_options(again) == step_cache_options(reuse)
+    assert node.QI21StepCache.validate_inputs(control="recompute") is True  # ComfyUI accepts the saved value
+    told = [r.getMessage() for r in caplog.records if "recompute" in r.getMessage()]
+    assert len(told) == 1 and "runs as reuse" in told[0] and "docs/step-cache.md" in told[0]

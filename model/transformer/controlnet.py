@@ -132,11 +132,6 @@ class ControlStream:
         self.net, self.hint, self.strength, self.base_layers = net, hint, float(strength), int(base_layers)
         self.at = {base: k for k, base in enumerate(layers)}  # base block index -> control block index
         self.x = self.c = self.mods = self.rows = self.cache = None
-        self.ran = 0  # control blocks run so far in this forward (they run in order)
-        #: set by a step cache that recomputes the control on skipped calls (sampling/step_cache.py): then the skips
-        #: of control blocks 1.. on the target rows are summed in `later_skips` (fp32 `(samples * target_len, width)`)
-        self.collect_later = False
-        self.later_skips = None
 
     @property
     def cache_layers(self) -> int:
@@ -163,33 +158,15 @@ class ControlStream:
             skip = skip[self.rows.target_start :]
         return x.add_(skip, alpha=self.strength)
 
-    def remaining_skips(self) -> torch.Tensor:
-        """Run the control blocks this forward has not run yet (a step cache skipped the base blocks they follow:
-        the stream never reads the base stream after its start, so they compute what they would have) and return
-        the strength-scaled skips of control blocks 1.. on the target rows, summed in fp32."""
-        self.collect_later = True
-        for k in range(self.ran, len(self.net.blocks)):
-            self._run(k)
-        if self.later_skips is None:  # a one-block control net: nothing after block 0
-            self.later_skips = torch.zeros(self.rows.samples * self.rows.target_len, self.net.config.width,
-                                           device=self.c.device, dtype=torch.float32)
-        return self.later_skips
-
     def _run(self, k: int) -> torch.Tensor:
         """Control block k on the stream; its skip `after_proj(c_{k+1})` on every row the stream holds."""
-        if k != self.ran:
-            raise RuntimeError(f"control block {k} was asked for after {self.ran} of them ran: they run in order.")
         block, rows = self.net.blocks[k], self.rows
         if k == 0:
             self.c, self.x = self._first_input(block), None
         kv = self.cache.layer_kv(self.base_layers + k) if self.cache is not None else None
         self.c = block(self.c, self.mods, rows, kv)
-        self.ran = k + 1
         skip = block.after_proj(self.c)
         skip += block.after_proj_bias
-        if self.collect_later and k > 0:
-            scaled = skip[rows.target_start :].float() * self.strength
-            self.later_skips = scaled if self.later_skips is None else self.later_skips.add_(scaled)
         return skip
 
     def _first_input(self, block: ControlBlock) -> torch.Tensor:
