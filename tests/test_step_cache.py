@@ -98,10 +98,10 @@ def test_a_skipped_call_is_block_0_plus_the_last_full_residual(model):
     stepper = StepCache(ALWAYS, [1.0, 0.5, 0.0], edit=False, num_layers=4)
     try:
         with torch.no_grad():
-            model(x_a, 1.0, prefixes, step_cache=stepper.call(1.0))
+            model(x_a, 1.0, prefixes, hooks=[stepper.call(1.0)])
             residual = outputs[3] - outputs[0]
             outputs.clear()
-            skipped = model(x_b, 0.5, prefixes, step_cache=stepper.call(0.5))
+            skipped = model(x_b, 0.5, prefixes, hooks=[stepper.call(0.5)])
             assert list(outputs) == [0], "blocks 1..3 must not run on a skipped call"
             _, _, final_scale, rows = model.prepare(x_b, 0.5, prefixes)
             expected = model.final_layer(outputs[0] + residual, final_scale, rows)
@@ -110,6 +110,35 @@ def test_a_skipped_call_is_block_0_plus_the_last_full_residual(model):
             hook.remove()
     assert stepper.records[1][2] and stepper.records[0][1] is None  # the first call had nothing to compare with
     torch.testing.assert_close(skipped, expected, rtol=0, atol=1e-6)
+
+
+def test_a_probe_of_two_blocks_decides_after_block_1_and_replays_blocks_2_on(model):
+    """The probe is "the first n blocks": with n = 2 a skipped call is block 1's output + the last full pass's residual
+    of blocks 2..3, and the report counts the blocks after the probe as skipped."""
+    cond = conditioning()
+    prefixes = [PrefixInputs(layout=cond.layout(GRID), text=cond.text)]
+    x_a, x_b = torch.randn(2, 1, GRID[0] * GRID[1], 64).unbind(0)
+    outputs = {}
+    hooks = [model.blocks[i].register_forward_hook(
+        lambda module, args, out, i=i: outputs.__setitem__(i, out[-x_a.shape[1]:].clone())) for i in (1, 3)]
+    stepper = StepCache(ALWAYS, [1.0, 0.5, 0.0], edit=False, num_layers=4, probe_blocks=2)
+    try:
+        with torch.no_grad():
+            model(x_a, 1.0, prefixes, hooks=[stepper.call(1.0)])
+            residual = outputs[3] - outputs[1]
+            outputs.clear()
+            skipped = model(x_b, 0.5, prefixes, hooks=[stepper.call(0.5)])
+            assert list(outputs) == [1], "blocks 2..3 must not run on a skipped call"
+            _, _, final_scale, rows = model.prepare(x_b, 0.5, prefixes)
+            expected = model.final_layer(outputs[1] + residual, final_scale, rows)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    torch.testing.assert_close(skipped, expected, rtol=0, atol=1e-6)
+    assert stepper.report()["blocks_skipped_share"] == round(2 / 8, 4)  # 1 of 2 calls skipped 2 of 4 blocks
+    assert StepCache.for_run(ALWAYS, [1.0, 0.0], edit=False, num_layers=2, probe_blocks=2) is None  # nothing after it
+    with pytest.raises(ValueError, match="probe_blocks"):
+        StepCache(ALWAYS, [1.0, 0.0], edit=False, num_layers=4, probe_blocks=0)
 
 
 def test_extrapolate_follows_the_line_through_the_last_two_residuals():
@@ -227,7 +256,8 @@ def test_a_skipped_controlled_call_replays_the_later_control_skips_inside_the_re
 
     def forward(stepper, x, sigma):
         stream = whole.control.stream(GRID, 4, "cpu", torch.float32, net=net)
-        return whole(x, sigma, prefixes, control=stream, step_cache=stepper.call(sigma, key=True))
+        # listed step cache first: the forward runs the hooks in their stated order (control, then step cache)
+        return whole(x, sigma, prefixes, hooks=[stepper.call(sigma, key=True), stream])
 
     try:
         with torch.no_grad():

@@ -23,6 +23,7 @@ from einops import rearrange
 from ..encoders.conditioning import Conditioning
 from ..transformer.cache_storage import cache_storage
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
+from ..transformer.hooks import EveryBlock
 from ..transformer.prefix_runs import prefix_runs
 from ..vae.latents import LATENT_CHANNELS, latent_shape
 from .cache_store import PrefixCacheStore
@@ -289,7 +290,7 @@ def sample(
     caches = RunCaches(model, prefixes, runs, store=store, keep_cache=keep_cache, new_cache=new_cache, device=device,
                        dtype=dtype, storage=storage, prefix_key=prefix_key) if cached else None
     last_of = {phase: i for i, phase in enumerate(phases)}
-    after_block = None if check_interrupt is None else (lambda index: check_interrupt())
+    interrupt = None if check_interrupt is None else EveryBlock(lambda index: check_interrupt())
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
     # an edit (references present) changes less per step, so T8's rule asks a smaller change of it
     skipper = StepCache.for_run(step_cache, sigmas, edit=bool(positive.ref_shapes), num_layers=model.config.num_layers)
@@ -305,8 +306,7 @@ def sample(
             t = transformer_timestep(sigmas[i], dtype).to(device)
             v = model(torch.cat([x, x]) if use_cfg else x, t, prefixes, sample_prefix,
                       cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
-                      after_block=after_block, control=stream(phase),
-                      step_cache=step_cache_for(sigmas[i].item(), phase, mode))
+                      hooks=(stream(phase), interrupt, step_cache_for(sigmas[i].item(), phase, mode)))
             if cached and i == last_of[phase]:
                 caches.done_with(phase)
             if use_cfg:
@@ -335,8 +335,7 @@ def sample(
                 phase = controlled_at(sigma)
                 return model(torch.cat([packed, packed]) if use_cfg else packed, t, prefixes, sample_prefix,
                              cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
-                             after_block=after_block, control=stream(phase),
-                             step_cache=step_cache_for(sigma, phase, mode))
+                             hooks=(stream(phase), interrupt, step_cache_for(sigma, phase, mode)))
 
             denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=cfg, grid=grid,
                                     mode_of=mode_of, clock=clock, modes=modes, on_call=callback,

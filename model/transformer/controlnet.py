@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..layers.linear import Linear
 from .block import Block, DiTConfig, Rows
+from .hooks import CONTROL, BlockHook
 from .prefix_cache import PrefixKVCache
 
 CONTROL_IN_DIM = 129  # 64 control latent channels, 1 keep-mask channel, 64 inpaint latent channels
@@ -117,15 +118,20 @@ class FunControlNet(nn.Module):
         return injection_layers(theirs.num_layers, mine.num_blocks)
 
 
-class ControlStream:
-    """The control stream of one forward, in the model's compute dtype; the DiT calls `start` before its first block
-    and `after_base_block` after each (model/transformer/dit.py). `hint` is the `(T, 129)` control latent of the
+class ControlStream(BlockHook):
+    """The control stream of one forward, in the model's compute dtype: a block hook (hooks.py) of the DiT's forward,
+    `start` before its first block and `after_block` after each, first in the hooks' order (its skips are part of
+    the model's arithmetic). `hint` is the `(T, 129)` control latent of the
     target rows (one for all samples: both CFG prompts and every seed read it).
 
     The control blocks' prefix keys and values live in the base's prefix cache as `cache_layers` more layers
     after the base's (layer `base_layers + k` is control block k): one cache with one tree of row parts, so a
     kept controlled prefix is reused, shared by CFG's prompts and extended after a kept leading run exactly like
     a plain one (their prefix rows depend only on earlier prefix rows, as the base's do)."""
+
+    order = CONTROL
+    runs_split = False
+    name = "a Fun ControlNet"
 
     def __init__(self, net: FunControlNet, layers: tuple[int, ...], hint: torch.Tensor, strength: float,
                  base_layers: int):
@@ -148,7 +154,7 @@ class ControlStream:
                              f"({rows.target_len}, {config.control_in_dim}).")
         self.x, self.mods, self.rows, self.cache = x.clone(), mods, rows, cache
 
-    def after_base_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
+    def after_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Run the control block paired with base block `index` (if any) and add its skip to `x` in place."""
         k = self.at.get(index)
         if k is None:
