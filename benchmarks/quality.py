@@ -46,7 +46,7 @@ import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from qi21.demo.toy_data import random_edit, random_scene
 from qi21.demo.toy_eval import ToyPipeline, analyse, psnr, ssim
 from qi21.demo.toy_model import TOY_DIR, write_toy_checkpoints
-from qi21.model.sampling.step_cache import CONTROL_MODES, StepCacheOptions
+from qi21.model.sampling.step_cache import StepCacheOptions
 from qi21.nodes import bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.controlnet import QI21ControlNetApply, QI21ControlNetLoader
@@ -238,8 +238,7 @@ with the exact one (PSNR over RGBA in [0, 1], SSIM with an 11x11 Gaussian window
         [--json FILE]   (every case's row: PSNR, SSIM, seconds and CPU seconds with the exact run's, skips)
 
 A setting is `mode` (T8's thresholds: 0.08 t2i, 0.03 edits) or `mode:threshold[:max_skips[:start-end]]` (that
-threshold for both, e.g. `t8:0.12:3:0.1-0.9`), optionally ending in `+recompute` or `+reuse` (the node's `control`
-input: what a skipped step does with the Fun ControlNet's later blocks; default reuse). `--control` writes a random
+threshold for both, e.g. `t8:0.12:3:0.1-0.9`). `--control` writes a random
 Fun ControlNet for the DiT's config into DIR/model_patches (`CONTROLNET_FILE`; `--control-blocks` blocks, default
 one per 2 base blocks as the released 16 per 32, seed 5 as comfyui.py step-cache's) and applies it through
 QI21ControlNetApply at strength 1 over the whole schedule, a toy scene as the map (`control_image`). `--prompts
@@ -252,24 +251,18 @@ model has denoising dynamics to skip.
 
 What the time predicts: a skipped step still runs block 0, the output layer and the loop around them, so on a model of
 N blocks a share s of skipped steps saves at most s * (N - 1) / N of the DiT's block work; the last column gives the
-same skips at the released 32 blocks. With a Fun ControlNet of K blocks a skipped step also runs control block 0
-(reuse) or all K (recompute): s * (N - 1 + K - 1) / (N + K) or s * (N - 1) / (N + K), at 32 + 16 blocks in the last
-column. `CPU time / exact` is the process's CPU seconds (all its threads) over the exact run's: with `--threads 1` the
-work done, whatever else the machine runs, where the wall time is not.
+same skips at the released 32 blocks. With a Fun ControlNet of K blocks a skipped step also runs control block 0:
+s * (N - 1 + K - 1) / (N + K), at 32 + 16 blocks in the last column. `CPU time / exact` is the process's CPU seconds
+(all its threads) over the exact run's: with `--threads 1` the work done, whatever else the machine runs, where the
+wall time is not.
 """
 RELEASED_BLOCKS, RELEASED_CONTROL_BLOCKS = 32, 16
 CONTROLNET_FILE = "qi21_bench_step_cache_fun_controlnet.safetensors"
 
 def parse_setting(text: str) -> tuple[str, StepCacheOptions]:
-    """`mode[:threshold[:max_skips[:start-end]]][+control]`; without a threshold T8's pair (0.08 t2i, 0.03 edits),
-    without `+control` the node's default (reuse)."""
-    rule, _, control = text.partition("+")
-    mode, *rest = rule.split(":")
+    """`mode[:threshold[:max_skips[:start-end]]]`; without a threshold T8's pair (0.08 t2i, 0.03 edits)."""
+    mode, *rest = text.split(":")
     options = {"mode": mode}
-    if control:
-        if control not in CONTROL_MODES:
-            raise ValueError(f"{text}: after '+' comes one of {', '.join(CONTROL_MODES)}.")
-        options["control"] = control
     if rest and rest[0]:
         options["threshold"] = options["edit_threshold"] = float(rest[0])
     if len(rest) > 1 and rest[1]:
@@ -299,11 +292,10 @@ def cases_from(arg: str, edits: int) -> list[dict]:
     return out
 
 
-def block_work_saved(skipped: float, base: int, control: int, recompute: bool) -> float:
+def block_work_saved(skipped: float, base: int, control: int) -> float:
     """The share of all block runs (the DiT's `base` and a Fun ControlNet's `control`) that a share `skipped` of
-    skipped calls saves: a skipped call still runs base block 0 and control block 0, and with `recompute` every
-    control block."""
-    saved = (base - 1) + (0 if recompute or not control else control - 1)
+    skipped calls saves: a skipped call still runs base block 0 and control block 0."""
+    saved = (base - 1) + (control - 1 if control else 0)
     return skipped * saved / (base + control)
 
 
@@ -378,7 +370,7 @@ def measure_step_cache(args) -> dict:
         model = attach_control(model, vae, args.models, args.control_blocks, args.size)
     settings = [parse_setting(s) for s in args.settings]
     copies = {name: QI21StepCache.execute(model, o.mode, o.threshold, o.edit_threshold, o.start_percent,
-                                          o.end_percent, o.max_skips, o.control)[0] for name, o in settings}
+                                          o.end_percent, o.max_skips)[0] for name, o in settings}
     cases = cases_from(args.prompts, args.edits)
     t2i = [case["text"] for case in cases if case["task"] == "t2i"]
     edits = [case for case in cases if case["task"] == "edit"]
@@ -419,13 +411,12 @@ def measure_step_cache(args) -> dict:
             step_cache = report.get("step_cache") or {"run": args.steps, "skipped": 0, "blocks_skipped_share": 0.0,
                                                       "pattern": "F" * args.steps}
             calls = step_cache["run"] + step_cache["skipped"]
-            recompute = step_cache.get("control") == "recompute"
             rows[(name, task)].append({"psnr": psnr(image, exact), "ssim": ssim(image, exact), "seconds": seconds[0],
                                        "cpu": seconds[1],
                                        "control": step_cache.get("control"),
                                        "skipped": step_cache["skipped"] / calls,
                                        "blocks": block_work_saved(step_cache["skipped"] / calls, blocks,
-                                                                  control_blocks, recompute),
+                                                                  control_blocks),
                                        "pattern": step_cache["pattern"]})
 
     with_control = "" if not control_blocks else f", with a Fun ControlNet of {control_blocks} blocks"
@@ -449,8 +440,7 @@ def measure_step_cache(args) -> dict:
                  "skipped": skipped, "blocks_skipped": statistics.mean(r["blocks"] for r in results),
                  "time_ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios),
                  "predicted_32": 1 - block_work_saved(skipped, RELEASED_BLOCKS,
-                                                      RELEASED_CONTROL_BLOCKS if control_blocks else 0,
-                                                      results[0]["control"] == "recompute"),
+                                                      RELEASED_CONTROL_BLOCKS if control_blocks else 0),
                  "patterns": [r["pattern"] for r in results], "control": results[0]["control"]}
         summary[(name, task)] = entry
         print(f"| {name} | {task} | {entry['psnr_mean']:.2f} ({entry['psnr_min']:.2f}) | {entry['ssim_mean']:.4f} "

@@ -82,6 +82,7 @@ from ..model.loaders.text_encoder import load_text_encoder
 from ..model.sampling.schedule import TURBO_SIGMAS, schedule_mu
 from ..model.transformer.dit import PrefixInputs, QwenImage21DiT
 from ..model.transformer.layout import SequenceLayout
+from ..model.transformer.training import with_training_paths
 from ..model.vae.autoencoder import QwenImage21VAE
 from ..model.vae.latents import LATENT_TOKENS_PER_SLOT, RELEASED_LATENT_FORMAT
 from .tiny_checkpoints import diffusers_to_dit, dit_to_diffusers, vae_to_diffusers, write_tiny_checkpoints
@@ -391,8 +392,8 @@ def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1, sta
     steps, peak = sizes[f"dit{stage}_steps"], sizes[f"dit{stage}_lr"]
     batch = sizes["batch"]
     generator = torch.Generator().manual_seed(3 if stage == 1 else 6)
-    dit = new_dit(2) if start is None else copy.deepcopy(start).requires_grad_(True)
-    ema = copy.deepcopy(dit).requires_grad_(False)
+    dit = with_training_paths(new_dit(2) if start is None else copy.deepcopy(start).requires_grad_(True))
+    ema = with_training_paths(copy.deepcopy(dit).requires_grad_(False), False)  # runs as inference: the teacher
     opt = torch.optim.AdamW(dit.parameters(), lr=peak, betas=(0.9, 0.99), weight_decay=0.0)
     losses = []
     edit_share = sizes.get(f"edit_share{stage}")
@@ -451,7 +452,7 @@ def teacher_paths(teacher, data, null, count: int, batch: int, dtype: torch.dtyp
 def train_turbo(base, paths, steps: int, batch: int, log,
                 dtype: torch.dtype = torch.bfloat16) -> tuple[QwenImage21DiT, float]:
     generator = torch.Generator().manual_seed(5)
-    student = copy.deepcopy(base).requires_grad_(True)
+    student = with_training_paths(copy.deepcopy(base).requires_grad_(True))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)
     sigmas = torch.tensor(list(TURBO_SIGMAS) + [0.0])
     losses = []
@@ -470,7 +471,7 @@ def train_turbo(base, paths, steps: int, batch: int, log,
         losses.append(loss.item())
         if step % 50 == 0 or step == steps - 1:
             log(f"turbo {step:4d}/{steps} loss {tail_mean(losses, 50):.4f}")
-    return student.requires_grad_(False), tail_mean(losses, 50)
+    return with_training_paths(student.requires_grad_(False), False), tail_mean(losses, 50)
 
 
 # -- the run ---------------------------------------------------------------------------------------------------

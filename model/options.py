@@ -113,7 +113,7 @@ def _table() -> dict:
                                    "(parallel/agreement.py)",
         ("devices", "lora"): "the LoRA joins the workers' recipe; each rank applies it as this process does",
         ("devices", "weights"): "each worker loads the file with this weight_dtype",
-        ("step_cache", "control"): "the skipped blocks' residual replays the control's skips (or recomputes them)",
+        ("step_cache", "control"): "the skipped blocks' residual replays the control's skips",
         ("step_cache", "cache"): "the step cache reads the target rows only; the cache's storage is the prefix's",
         ("step_cache", "compile"): "the step cache works between blocks, outside the compiled block forward",
         ("step_cache", "lora"): "the LoRA is in the blocks; the step cache reads their outputs",

@@ -144,8 +144,7 @@ def run_shape(model, positive, negative, width: int, height: int, batch: int, pr
     return RunShape(tuple(c.layout(grid).prefix_len for c in conditionings), grid, batch, negative is not None,
                     prefix_cache, tuple(h * w for h, w in positive.ref_shapes), cache_layers=cache_layers,
                     extra_row_buffers=0 if control is None else STREAM_ROW_BUFFERS,
-                    cache_dtype=options_of(model).cache.dtype, step_cache=steps.mode if steps else "off",
-                    step_cache_control=bool(steps and control is not None and steps.control == "recompute"))
+                    cache_dtype=options_of(model).cache.dtype, step_cache=steps.mode if steps else "off")
 
 
 def dit_unloaded(model) -> None:

@@ -4,7 +4,6 @@ weight; both samplers (and a ComfyUI SAMPLER through them) read the options from
 
 from ..model.options import with_options
 from ..model.sampling.step_cache import (
-    CONTROL_MODES,
     EDIT_THRESHOLD,
     END_PERCENT,
     MAX_SKIPS,
@@ -13,7 +12,7 @@ from ..model.sampling.step_cache import (
     THRESHOLD,
     StepCacheOptions,
 )
-from .bridge import io
+from .bridge import io, log
 from .types import CATEGORY, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
@@ -30,9 +29,14 @@ WINDOW_TOOLTIP = ("Steps are skipped only between start_percent and end_percent 
                   "fine detail. 0.10 to 0.85 as T8.")
 MAX_SKIPS_TOOLTIP = ("At most this many skipped steps in a row; then a full step refreshes what is reused. 2 as T8; "
                      "0 never skips.")
-CONTROL_TOOLTIP = ("With a Fun ControlNet: on a skipped step, reuse the control's effect from the last full step as "
-                   "it is (T8's way, the cheapest), or recompute it: run the control blocks again (about half the "
-                   "model's blocks) and add their fresh effect. See docs/step-cache.md for what was measured.")
+#: The `control` input's choices. "recompute" (run the Fun ControlNet's later blocks on a skipped step) is retired: it
+#: moved pictures by 0.3 dB or less for 5-13% more time (docs/step-cache.md). Still listed, so a workflow saved with
+#: it passes ComfyUI's check of the value and runs, as "reuse", with one log line per process.
+CONTROL_CHOICES = ("reuse", "recompute")
+CONTROL_TOOLTIP = ("With a Fun ControlNet a skipped step reuses the control's effect from the last full step (T8's "
+                   "way). recompute is retired and runs as reuse: it changed pictures by 0.3 dB or less for 5-13% "
+                   "more time (docs/step-cache.md); it stays listed so saved workflows load.")
+_told = set()  # the retired choices already logged in this process
 
 
 class QI21StepCache(io.ComfyNode):
@@ -64,7 +68,7 @@ class QI21StepCache(io.ComfyNode):
                                tooltip=WINDOW_TOOLTIP),
                 io.Int.Input("max_skips", default=MAX_SKIPS, min=0, max=16, tooltip=MAX_SKIPS_TOOLTIP),
                 # appended and optional: workflows saved before it load unchanged (and reuse, as they did)
-                io.Combo.Input("control", options=list(CONTROL_MODES), default=CONTROL_MODES[0], optional=True,
+                io.Combo.Input("control", options=list(CONTROL_CHOICES), default=CONTROL_CHOICES[0], optional=True,
                                tooltip=CONTROL_TOOLTIP),
             ],
             outputs=[Model.Output(display_name="model")],
@@ -82,12 +86,17 @@ class QI21StepCache(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode="t8", threshold=THRESHOLD, edit_threshold=EDIT_THRESHOLD,
-                start_percent=START_PERCENT, end_percent=END_PERCENT, max_skips=MAX_SKIPS, control=CONTROL_MODES[0],
+                start_percent=START_PERCENT, end_percent=END_PERCENT, max_skips=MAX_SKIPS, control=CONTROL_CHOICES[0],
                 **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
         require(cls.validate_inputs(mode=mode, threshold=threshold, edit_threshold=edit_threshold,
                                     start_percent=start_percent, end_percent=end_percent, max_skips=max_skips,
                                     control=control))
+        if control == "recompute" and control not in _told:
+            _told.add(control)
+            log.warning("qi21: Step Cache control = recompute is retired and runs as reuse (it changed pictures by "
+                        "0.3 dB or less for 5-13%% more time; docs/step-cache.md). Set control to reuse to silence "
+                        "this.")
         options = StepCacheOptions(mode, float(threshold), float(edit_threshold), float(start_percent),
-                                   float(end_percent), int(max_skips), control)
+                                   float(end_percent), int(max_skips))
         return io.NodeOutput(with_options(model, step_cache=options))

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dit_fixtures import make_case, tiny_pair
+from qi21.model.transformer.hooks import CONTROL, INTERRUPT, STEP_CACHE, BlockHook, EveryBlock, Finish
 from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 TOL = 2e-5
@@ -90,13 +91,13 @@ def test_cached_block_needs_its_layer(model):
             model.blocks[0](h, mods, rows)
 
 
-def test_after_block_is_called_between_blocks(model):
+def test_an_every_block_hook_is_called_between_blocks(model):
     """The hook the sampler uses for interrupt checks inside a step runs once per block, in order, and an
     exception it raises stops the forward there."""
     _, prefixes, x = make_case((), (4, 4), (6,))
     calls = []
     with torch.no_grad():
-        model(x, 0.5, prefixes, after_block=calls.append)
+        model(x, 0.5, prefixes, hooks=[EveryBlock(calls.append)])
     assert calls == list(range(len(model.blocks)))
 
     class Stop(Exception):
@@ -110,7 +111,50 @@ def test_after_block_is_called_between_blocks(model):
     handle = model.blocks[1].register_forward_pre_hook(lambda *a: ran.append(1))
     try:
         with pytest.raises(Stop), torch.no_grad():
-            model(x, 0.5, prefixes, after_block=stop_after_first)
+            model(x, 0.5, prefixes, hooks=[EveryBlock(stop_after_first)])
     finally:
         handle.remove()
     assert ran == []
+
+
+def test_block_hooks_run_in_their_stated_order_and_a_finish_ends_the_blocks(model):
+    """Whatever order the caller lists them in, the forward runs the hooks by `order` (control, interrupt, step
+    cache); `start` before block 0, `end` only when every block ran; a `Finish` goes straight to the output layer
+    with its rows, asking no later hook."""
+    _, prefixes, x = make_case((), (4, 4), (6,))
+    seen = []
+
+    class Recording(BlockHook):
+        def __init__(self, order, finish_at=None):
+            self.order, self.finish_at = order, finish_at
+
+        def start(self, x, mods, rows, cache):
+            seen.append(("start", self.order))
+
+        def after_block(self, index, x):
+            seen.append((index, self.order))
+            return Finish(x[-16:]) if index == self.finish_at else x
+
+        def end(self, x):
+            seen.append(("end", self.order))
+
+    with torch.no_grad():
+        plain = model(x, 0.5, prefixes)
+        same = model(x, 0.5, prefixes, hooks=[Recording(STEP_CACHE), None, Recording(CONTROL), Recording(INTERRUPT)])
+    assert torch.equal(same, plain)  # hooks that return x unchanged change nothing
+    orders = [CONTROL, INTERRUPT, STEP_CACHE]
+    assert seen == [("start", o) for o in orders] + [(i, o) for i in range(3) for o in orders] + [("end", o)
+                                                                                                   for o in orders]
+    seen.clear()
+    ran = []
+    handle = model.blocks[1].register_forward_pre_hook(lambda *a: ran.append(1))
+    try:
+        with torch.no_grad():
+            early = model(x, 0.5, prefixes, hooks=[Recording(STEP_CACHE), Recording(INTERRUPT, finish_at=0)])
+    finally:
+        handle.remove()
+    assert ran == [] and seen == [("start", INTERRUPT), ("start", STEP_CACHE), (0, INTERRUPT)]
+    with torch.no_grad():
+        x0, mods, final_scale, rows = model.prepare(x, 0.5, prefixes)
+        expected = model.final_layer(model.blocks[0](x0, mods, rows)[-16:], final_scale, rows)
+    assert torch.equal(early, expected)

@@ -198,7 +198,7 @@ def test_uncached_controlled_forward_equals_the_facts_written_out(pair, files, n
     with torch.no_grad():
         expected = oracle_velocity(reference, files["state"], kwargs, t, hint, strength)
         got = patched(target, t, prefixes, list(range(batch)),  # make_case gives each sample its own prompt
-                      control=patched.control.stream(GRID, patched.config.num_layers, "cpu", torch.float32))
+                      hooks=[patched.control.stream(GRID, patched.config.num_layers, "cpu", torch.float32)])
         plain = model(target, t, prefixes, list(range(batch)))
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
     assert (got - plain).abs().max() > 0.1  # the control changes the result

@@ -234,3 +234,43 @@ def test_nan_latents_stop_with_the_step_named(dit_pair, monkeypatch):
     with torch.no_grad(), pytest.raises(sampling.NonFiniteLatentsError, match="step 3 of 6"):
         sample(ours, conditioning(), sigmas=base_sigmas(6, 256, 256), width=256, height=256)
     assert gf.filled_caches() == []
+
+
+def test_the_builtin_euler_is_a_plain_euler_loop_over_the_dit_bit_for_bit(dit_pair):
+    """The built-in sampler (euler.py) through the one model call of loop.py equals a plain Euler loop written out
+    here over the DiT's own forward, byte for byte, in bf16 and with an inpainting mask: the loop's plumbing (the
+    denoiser, the hooks, the cache's lifetime) adds no arithmetic. Both run in this process, so any CPU's kernels
+    give the same bytes to both."""
+    from einops import rearrange
+
+    from qi21.model.sampling.img2img import start_latents
+    from qi21.model.sampling.schedule import euler_step, transformer_timestep
+    from qi21.model.transformer.dit import PrefixInputs, QwenImage21DiT
+
+    _, fp32 = dit_pair
+    model = QwenImage21DiT(fp32.config, dtype=torch.bfloat16)
+    model.load_state_dict(fp32.state_dict())
+    model.eval()
+    cond, grid, sigmas = conditioning(), (6, 8), torch.linspace(1.0, 0.0, 7)
+    g = torch.Generator().manual_seed(8)
+    noise, init = torch.randn(2, 2, 64, *grid, generator=g).unbind(0)
+    mask = (torch.rand(2, 1, *grid, generator=g) > 0.5).float()
+    with torch.no_grad():
+        got = sample(model, cond, sigmas=sigmas, width=grid[1] * 16, height=grid[0] * 16, noise=noise,
+                     latent_image=init, noise_mask=mask).latents
+        prefixes = [PrefixInputs(layout=cond.layout(grid), text=cond.text)]
+        cache = PrefixKVCache()
+
+        def pack(t):
+            return rearrange(t, "b c h w -> b (h w) c")
+
+        x = pack(start_latents(noise, init, 1.0, True)).to(torch.bfloat16)
+        kept_noise, init_p, mask_p = pack(noise), pack(init), pack(mask)
+        for i in range(6):
+            v = model(x, transformer_timestep(sigmas[i], torch.bfloat16), prefixes, cache=cache,
+                      mode="prefill" if i == 0 else "cached")
+            x = euler_step(x, v, sigmas[i], sigmas[i + 1])
+            s = sigmas[i + 1].item()
+            x = x.float() * mask_p + (s * kept_noise + (1.0 - s) * init_p) * (1.0 - mask_p)
+            x = x if i == 5 else x.to(torch.bfloat16)
+    assert torch.equal(got, rearrange(x, "b (h w) c -> b c h w", h=grid[0]))

@@ -8,6 +8,7 @@ tested with a threshold so large that every call the rule allows is skipped (`AL
 realistic threshold only for determinism. Quality is benchmarks/quality.py step-cache's job, on a trained model.
 """
 
+
 import dataclasses
 
 import pytest
@@ -19,6 +20,7 @@ from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
 from qi21.model.sampling.step_cache import StepCache, StepCacheOptions
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
+from qi21.model.transformer.hooks import Finish
 from tolerances import same
 
 GRID = (6, 8)
@@ -101,10 +103,10 @@ def test_a_skipped_call_is_block_0_plus_the_last_full_residual(model):
     stepper = StepCache(ALWAYS, [1.0, 0.5, 0.0], edit=False, num_layers=4)
     try:
         with torch.no_grad():
-            model(x_a, 1.0, prefixes, step_cache=stepper.call(1.0))
+            model(x_a, 1.0, prefixes, hooks=[stepper.call(1.0)])
             residual = outputs[3] - outputs[0]
             outputs.clear()
-            skipped = model(x_b, 0.5, prefixes, step_cache=stepper.call(0.5))
+            skipped = model(x_b, 0.5, prefixes, hooks=[stepper.call(0.5)])
             assert list(outputs) == [0], "blocks 1..3 must not run on a skipped call"
             _, _, final_scale, rows = model.prepare(x_b, 0.5, prefixes)
             expected = model.final_layer(outputs[0] + residual, final_scale, rows)
@@ -113,6 +115,35 @@ def test_a_skipped_call_is_block_0_plus_the_last_full_residual(model):
             hook.remove()
     assert stepper.records[1][2] and stepper.records[0][1] is None  # the first call had nothing to compare with
     same(skipped, expected)  # the same sums: block 0, the kept residual, the final layer
+
+
+def test_a_probe_of_two_blocks_decides_after_block_1_and_replays_blocks_2_on(model):
+    """The probe is "the first n blocks": with n = 2 a skipped call is block 1's output + the last full pass's residual
+    of blocks 2..3, and the report counts the blocks after the probe as skipped."""
+    cond = conditioning()
+    prefixes = [PrefixInputs(layout=cond.layout(GRID), text=cond.text)]
+    x_a, x_b = torch.randn(2, 1, GRID[0] * GRID[1], 64).unbind(0)
+    outputs = {}
+    hooks = [model.blocks[i].register_forward_hook(
+        lambda module, args, out, i=i: outputs.__setitem__(i, out[-x_a.shape[1]:].clone())) for i in (1, 3)]
+    stepper = StepCache(ALWAYS, [1.0, 0.5, 0.0], edit=False, num_layers=4, probe_blocks=2)
+    try:
+        with torch.no_grad():
+            model(x_a, 1.0, prefixes, hooks=[stepper.call(1.0)])
+            residual = outputs[3] - outputs[1]
+            outputs.clear()
+            skipped = model(x_b, 0.5, prefixes, hooks=[stepper.call(0.5)])
+            assert list(outputs) == [1], "blocks 2..3 must not run on a skipped call"
+            _, _, final_scale, rows = model.prepare(x_b, 0.5, prefixes)
+            expected = model.final_layer(outputs[1] + residual, final_scale, rows)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    torch.testing.assert_close(skipped, expected, rtol=0, atol=1e-6)
+    assert stepper.report()["blocks_skipped_share"] == round(2 / 8, 4)  # 1 of 2 calls skipped 2 of 4 blocks
+    assert StepCache.for_run(ALWAYS, [1.0, 0.0], edit=False, num_layers=2, probe_blocks=2) is None  # nothing after it
+    with pytest.raises(ValueError, match="probe_blocks"):
+        StepCache(ALWAYS, [1.0, 0.0], edit=False, num_layers=4, probe_blocks=0)
 
 
 def test_extrapolate_follows_the_line_through_the_last_two_residuals():
@@ -215,10 +246,7 @@ def test_the_fun_controlnet_reuses_its_skips_and_restarts_where_its_window_chang
     assert torch.isfinite(result.latents).all()
 
 
-RECOMPUTE = dataclasses.replace(ALWAYS, control="recompute")
-
-
-def test_recompute_runs_the_later_control_blocks_and_adds_their_fresh_skips(model, controlled):
+def test_a_skipped_controlled_call_replays_the_later_control_skips_inside_the_residual(model, controlled):
     whole = controlled((0.0, 1.0))
     net, cond = whole.control_net, conditioning()
     prefixes = [PrefixInputs(layout=cond.layout(GRID), text=cond.text)]
@@ -233,67 +261,25 @@ def test_recompute_runs_the_later_control_blocks_and_adds_their_fresh_skips(mode
 
     def forward(stepper, x, sigma):
         stream = whole.control.stream(GRID, 4, "cpu", torch.float32, net=net)
-        return whole(x, sigma, prefixes, control=stream, step_cache=stepper.call(sigma, key=True))
+        # listed step cache first: the forward runs the hooks in their stated order (control, then step cache)
+        return whole(x, sigma, prefixes, hooks=[stepper.call(sigma, key=True), stream])
 
-    skipped = {}
     try:
         with torch.no_grad():
-            for name, options in (("reuse", ALWAYS), ("recompute", RECOMPUTE)):
-                stepper = StepCache(options, [1.0, 0.5, 0.0], edit=False, num_layers=4)
-                forward(stepper, x_a, 1.0)
-                full = dict(out)
-                out.clear()
-                skipped[name] = forward(stepper, x_b, 0.5)
-                assert stepper.records[1][2] and stepper.report()["control"] == name
-                ran = {"reuse": [("base", 0), ("skip", 0)], "recompute": [("base", 0), ("skip", 0), ("skip", 1)]}
-                assert sorted(out) == ran[name], "base blocks 1..3 never run on a skipped call; control block 1 " \
-                                                  "only when recomputed"
-                now = dict(out)
-                out.clear()
+            stepper = StepCache(ALWAYS, [1.0, 0.5, 0.0], edit=False, num_layers=4)
+            forward(stepper, x_a, 1.0)
+            full = dict(out)
+            out.clear()
+            skipped = forward(stepper, x_b, 0.5)
+            assert stepper.records[1][2] and stepper.report()["control"] == "reuse"
+            assert sorted(out) == [("base", 0), ("skip", 0)], "base blocks 1..3 and control block 1 never run"
             _, _, final_scale, rows_b = whole.prepare(x_b, 0.5, prefixes)
     finally:
         for hook in hooks:
             hook.remove()
-    block_0 = now[("base", 0)] + now[("skip", 0)]  # what the step cache sees after block 0
+    block_0 = out[("base", 0)] + out[("skip", 0)]  # what the step cache sees after block 0
     residual = full[("base", 3)] - full[("base", 0)] - full[("skip", 0)]  # blocks 1..3, control block 1's skip in it
-    reuse = whole.final_layer(block_0 + residual, final_scale, rows_b)
-    recompute = whole.final_layer(block_0 + residual - full[("skip", 1)] + now[("skip", 1)], final_scale, rows_b)
-    torch.testing.assert_close(skipped["reuse"], reuse, rtol=0, atol=1e-5)
-    torch.testing.assert_close(skipped["recompute"], recompute, rtol=0, atol=1e-5)
-    assert (skipped["reuse"] - skipped["recompute"]).abs().max() > 1e-3, "the fresh skip differs from the last one"
-
-
-def test_recompute_through_the_loop_runs_every_control_block_on_every_call(model, controlled):
-    whole = controlled((0.0, 1.0))
-    later_control_block = count_calls(whole.control_net.blocks[1])
-    recompute = run(whole, step_cache=RECOMPUTE)
-    assert recompute.report["step_cache"]["pattern"] == PATTERN_20 and len(later_control_block) == 20
-    reuse = run(whole, step_cache=ALWAYS)
-    assert len(later_control_block) == 30  # reuse: only the 10 full calls run it
-    assert (recompute.report["step_cache"]["control"], reuse.report["step_cache"]["control"]) == ("recompute", "reuse")
-    assert not torch.equal(recompute.latents, reuse.latents) and torch.isfinite(recompute.latents).all()
-    assert torch.equal(run(whole, step_cache=RECOMPUTE).latents, recompute.latents)  # deterministic
-    # without a control stream there is nothing to recompute: the same run as reuse, and the report says none ran
-    plain = run(model, step_cache=RECOMPUTE)
-    assert plain.report["step_cache"]["control"] is None
-    assert torch.equal(plain.latents, run(model, step_cache=ALWAYS).latents)
-
-
-def test_recompute_at_zero_strength_is_reuse(model, controlled):
-    """The node refuses strength 0 (the model comes back unpatched), so the patch is set to 0 here: every skip is
-    zero, so the residual without the later skips is the residual and the fresh skips add nothing."""
-    zero = controlled((0.0, 1.0))
-    zero.control = dataclasses.replace(zero.control, strength=0.0)
-    recompute, reuse = run(zero, steps=10, step_cache=RECOMPUTE), run(zero, steps=10, step_cache=ALWAYS)
-    assert recompute.report["step_cache"]["skipped"] > 0
-    assert torch.equal(recompute.latents, reuse.latents)
-
-
-def test_recompute_with_a_realistic_threshold_decides_deterministically(model, controlled):
-    whole, options = controlled((0.0, 1.0)), StepCacheOptions(threshold=0.8, control="recompute")
-    first, second = (run(whole, step_cache=options, seed=7) for _ in range(2))
-    assert "S" in first.report["step_cache"]["pattern"]
-    assert first.report["step_cache"] == second.report["step_cache"] and torch.equal(first.latents, second.latents)
+    torch.testing.assert_close(skipped, whole.final_layer(block_0 + residual, final_scale, rows_b), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -354,9 +340,6 @@ def test_the_node_checks_its_window_and_the_copy_keeps_the_models_prefix(model):
         QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.5, 0.5, 2)
     copy = QI21StepCache.execute(model, "extrapolate", 0.1, 0.02, 0.2, 0.9, 3)[0]
     assert options_of(copy).step_cache == StepCacheOptions("extrapolate", 0.1, 0.02, 0.2, 0.9, 3)
-    assert options_of(copy).step_cache.control == "reuse"  # a workflow saved before the control input: as it was
-    recompute = QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "recompute")[0]
-    assert options_of(recompute).step_cache.control == "recompute"
     with pytest.raises(ValueError, match="control"):
         QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "again")
     assert options_of(model).step_cache is None and copy.blocks[0].qkv.weight is model.blocks[0].qkv.weight
@@ -381,20 +364,35 @@ def test_the_benchmark_measures_exact_as_exact_through_the_nodes(benchmark_scrip
     assert skipping["skipped"] > 0 and skipping["psnr_mean"] < float("inf") and skipping["patterns"][0][:2] == "FF"
 
 
-def test_the_benchmark_runs_with_the_fun_controlnet_both_ways(benchmark_script, tiny_models):
+def test_the_benchmark_runs_with_the_fun_controlnet(benchmark_script, tiny_models):
     bench = benchmark_script("quality")
-    try:  # 2 control blocks for the tiny DiT's 2: one after the last block, recomputed on a skipped step
+    try:  # 2 control blocks for the tiny DiT's 2: one after the last block
         summary = bench.main(["step-cache", "--models", str(tiny_models["root"]), "--prompts", "1", "--edits", "0",
                               "--steps", "8", "--size", "128", "--control", "--control-blocks", "2",
-                              "--settings", "t8:0", "t8:1", "t8:1+recompute"])
+                              "--settings", "t8:0", "t8:1"])
     finally:
         from qi21.nodes import bridge
 
         bridge.set_models_root(None)
-    exact, reuse, recompute = (summary[(name, "t2i")] for name in ("t8:0", "t8:1", "t8:1+recompute"))
+    exact, reuse = (summary[(name, "t2i")] for name in ("t8:0", "t8:1"))
     assert exact["psnr_min"] == float("inf") and exact["control"] is None  # threshold 0: no step cache at all
-    assert (reuse["control"], recompute["control"]) == ("reuse", "recompute")
-    assert reuse["skipped"] == recompute["skipped"] > 0 and reuse["blocks_skipped"] > recompute["blocks_skipped"]
+    assert reuse["control"] == "reuse" and reuse["skipped"] > 0
+    # a skipped step runs base block 0 and control block 0 of 2 + 2: half the block work of each skipped step saved
+    assert reuse["blocks_skipped"] == pytest.approx(reuse["skipped"] * 2 / 4)
+
+
+def test_a_workflow_saved_with_the_retired_recompute_runs_as_reuse_and_says_so_once(model, caplog):
+    from qi21.nodes import step_cache as node
+
+    node._told.clear()
+    with caplog.at_level("WARNING", logger="qi21"):
+        recompute = node.QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "recompute")[0]
+        again = node.QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "recompute")[0]
+    reuse = node.QI21StepCache.execute(model, "t8", 0.08, 0.03, 0.1, 0.85, 2, "reuse")[0]
+    assert options_of(recompute).step_cache == options_of(again).step_cache == options_of(reuse).step_cache
+    assert node.QI21StepCache.validate_inputs(control="recompute") is True  # ComfyUI accepts the saved value
+    told = [r.getMessage() for r in caplog.records if "recompute" in r.getMessage()]
+    assert len(told) == 1 and "runs as reuse" in told[0] and "docs/step-cache.md" in told[0]
 
 
 # -- the indicator, by hand ----------------------------------------------------------------------------------------
@@ -418,10 +416,10 @@ def test_the_indicator_is_the_largest_mean_relative_change_of_block_0s_sampled_r
 
     zero = [[[0, 0], [0, 0]]] * 2
     stepper = StepCache(ALWAYS, [1.0, 0.5, 0.0], edit=False, num_layers=4)
-    stepper.call(1.0).before_blocks(buffer(zero, 0), rows)
-    assert stepper.after_first_block(buffer([[[1, -1], [2, 0]], [[2, 2], [2, 2]]], 10.0), rows) is None
-    stepper.after_blocks(buffer(zero, 3.0), rows)
-    stepper.call(0.5).before_blocks(buffer(zero, 0), rows)
-    stepper.after_first_block(buffer([[[1.5, -1], [2, 0.5]], [[4, 2], [2, 0]]], 100.0), rows)
+    stepper.call(1.0).start(buffer(zero, 0), None, rows, None)
+    assert not isinstance(stepper.after_block(0, buffer([[[1, -1], [2, 0]], [[2, 2], [2, 2]]], 10.0)), Finish)
+    stepper.end(buffer(zero, 3.0))
+    stepper.call(0.5).start(buffer(zero, 0), None, rows, None)
+    stepper.after_block(0, buffer([[[1.5, -1], [2, 0.5]], [[4, 2], [2, 0]]], 100.0))
     assert stepper.report()["indicator"] == [None, 0.5]
     assert stepper.records[1][1] == 0.5

@@ -3,11 +3,14 @@ the blocks (one split per buffer, the target attention on concatenated keys), an
 derivative of the same forward. Checked against central differences along a random direction (float64 weights;
 the q/k norm computes in fp32 whatever the weights are)."""
 
+import copy
+
 import pytest
 import torch
 
 from dit_fixtures import make_case, tiny_pair
 from qi21.model.transformer.attention import target_attention
+from qi21.model.transformer.training import with_training_paths
 
 
 def _dense_target_attention(q, k, v, prefix_k, prefix_v):
@@ -39,8 +42,9 @@ def _batch(sample_prefix):
 
 @pytest.mark.parametrize("sample_prefix", [[0, 0, 1], [0, 1, 0]], ids=["consecutive", "interleaved"])
 def test_dit_gradients_are_the_derivative_of_its_forward(sample_prefix):
-    _, model = tiny_pair(seed=3)
-    model = model.double().requires_grad_(True)
+    _, plain = tiny_pair(seed=3)
+    plain = plain.double()
+    model = with_training_paths(copy.deepcopy(plain).requires_grad_(True))
     prefixes, target = _batch(sample_prefix)
     prefixes = [type(p)(layout=p.layout, text=p.text.double(),
                         references=None if p.references is None else p.references.double()) for p in prefixes]
@@ -54,7 +58,7 @@ def test_dit_gradients_are_the_derivative_of_its_forward(sample_prefix):
         return (model(target, timestep, prefixes, sample_prefix=sample_prefix) * weight).sum()
 
     with torch.no_grad():
-        inference = model(target, timestep, prefixes, sample_prefix=sample_prefix)
+        inference = plain(target, timestep, prefixes, sample_prefix=sample_prefix)
     recorded = model(target, timestep, prefixes, sample_prefix=sample_prefix)
     torch.testing.assert_close(recorded, inference, rtol=1e-5, atol=1e-5)  # the same forward (q, k normed in fp32)
     grads = torch.autograd.grad((recorded * weight).sum(), params)

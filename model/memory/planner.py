@@ -111,8 +111,6 @@ class RunShape:
             scales included; transformer/cache_storage.py).
         step_cache: the step cache's mode ("off", "t8", "extrapolate"; sampling/step_cache.py): it holds fp32
             target-sized tensors across the blocks (`step_cache_bytes`).
-        step_cache_control: the step cache recomputes a Fun ControlNet's later skips (its `control` "recompute"):
-            the control stream sums them in one more fp32 target-sized tensor for the length of a forward.
     """
 
     prefix_tokens: tuple[int, ...]
@@ -125,7 +123,6 @@ class RunShape:
     extra_row_buffers: int = 0
     cache_dtype: str = "default"
     step_cache: str = "off"
-    step_cache_control: bool = False
 
     @property
     def target_tokens(self) -> int:
@@ -253,9 +250,8 @@ def step_cache_bytes(config: DiTConfig, run: RunShape, itemsize: int, prefill: b
     halves): `t` = samples x target tokens x width x 4 bytes (step_cache.py):
 
         across the blocks   block 0's output kept to take the residual from (the anchor), the last full pass's
-                            residual, the one before it (extrapolate), a Fun ControlNet's summed later skips
-                            (recompute), and two sampled copies (every 8th row and channel: the indicator now and
-                            at the last full pass)
+                            residual, the one before it (extrapolate), and two sampled copies (every 8th row
+                            and channel: the indicator now and at the last full pass)
         between blocks      after the last block: the anchor, the old residuals, the new one and the target rows
                             in fp32 (a copy unless the compute dtype is fp32); on a skipped call: the residuals,
                             the fp32 rows, their sum and the extrapolation's two temporaries
@@ -270,9 +266,8 @@ def step_cache_bytes(config: DiTConfig, run: RunShape, itemsize: int, prefill: b
     extrapolate = run.step_cache == "extrapolate"
     kept = 0 if prefill else 1 + extrapolate  # the residuals of the last one or two full passes
     copy = int(itemsize != FP32)  # `.float()` of the target rows copies them unless they already are fp32
-    control = int(run.step_cache_control)
-    across = (1 + kept + control) * t + sampled
-    after = (1 + kept + 1 + copy + control) * t + sampled
+    across = (1 + kept) * t + sampled
+    after = (1 + kept + 1 + copy) * t + sampled
     skipped = 0 if prefill else (kept + copy + 1 + 2 * extrapolate) * t + sampled
     return across, max(after, skipped)
 

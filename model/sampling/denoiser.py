@@ -119,20 +119,9 @@ class FlowDenoiser:
         if x.ndim != 4 or tuple(x.shape[-2:]) != self.grid:
             raise ValueError(f"the sampler passed latents of shape {tuple(x.shape)}; expected (B, 64, "
                              f"{self.grid[0]}, {self.grid[1]}).")
-        batch = x.shape[0]
-        sig = sigma_rows(sigma, batch)
-        host_sigma = float(sig[0]) if self.reads_sigma else None
-        mode = self.mode_of(host_sigma)
-        self.modes.append(mode)
         started = self.clock.start() if self.clock is not None else time.perf_counter()
         packed = rearrange(x, "b c h w -> b (h w) c").to(device=self.device, dtype=self.dtype)
-        t = transformer_timestep(sig, self.dtype).to(self.device)  # rounded through the dtype, as the reference
-        t = torch.cat([t, t]) if self.use_cfg else t
-        v = self.forward(packed, t, mode, host_sigma)
-        v_pos = v_neg = v
-        if self.use_cfg:
-            v_pos, v_neg = v.chunk(2)
-            v = v_neg + self.cfg * (v_pos - v_neg)
+        sig, v, v_pos, v_neg = self._call(packed, sigma)
         x32 = x.to(self.device, torch.float32)
         shaped = sig.to(self.device).view(-1, 1, 1, 1)
 
@@ -147,6 +136,26 @@ class FlowDenoiser:
             step = self.step if self.total_steps is None else min(self.step, self.total_steps - 1)
             self.on_call(CallInfo(self.calls - 1, step, self.total_steps, sig[0], guided))
         return guided, cond, uncond
+
+    def velocity(self, packed: torch.Tensor, sigma) -> torch.Tensor:
+        """The guided velocity `(B, T, 64)` in the model's dtype for packed latents `(B, T, 64)` (the built-in Euler
+        sampler's question, euler.py); no clock and no `on_call`: that sampler times and reports its own steps."""
+        return self._call(packed, sigma)[1]
+
+    def _call(self, packed: torch.Tensor, sigma):
+        """The model call: `(sigma rows, guided v, positive v, negative v)`; the mode is recorded in `modes`."""
+        sig = sigma_rows(sigma, packed.shape[0])
+        host_sigma = float(sig[0]) if self.reads_sigma else None
+        mode = self.mode_of(host_sigma)
+        self.modes.append(mode)
+        t = transformer_timestep(sig, self.dtype).to(self.device)  # rounded through the dtype, as the reference
+        t = torch.cat([t, t]) if self.use_cfg else t
+        v = self.forward(packed, t, mode, host_sigma)
+        v_pos = v_neg = v
+        if self.use_cfg:
+            v_pos, v_neg = v.chunk(2)
+            v = v_neg + self.cfg * (v_pos - v_neg)
+        return sig, v, v_pos, v_neg
 
     def step_done(self, step: int) -> None:
         """The sampler reported step `step` (0-based): later calls belong to the next one."""

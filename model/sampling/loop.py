@@ -11,54 +11,31 @@ runs its control stream on the steps of its window, which read a controlled cach
 the steps outside read a plain one (`run_caches.py` owns both).
 
 Numerics follow diffusers' QwenImage21Pipeline: sigmas from `schedule.py`, the timestep rounded through the
-latent dtype, the Euler update in fp32, the latents kept in the model's dtype between steps.
+latent dtype, the Euler update in fp32, the latents kept in the model's dtype between steps (euler.py, the
+built-in sampler; ComfyUI's SAMPLERs run over the same model call, denoiser.py).
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from einops import rearrange
 
 from ..encoders.conditioning import Conditioning
 from ..transformer.cache_storage import cache_storage
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
+from ..transformer.hooks import EveryBlock
 from ..transformer.prefix_runs import prefix_runs
 from ..vae.latents import LATENT_CHANNELS, latent_shape
 from .cache_store import PrefixCacheStore
 from .denoiser import FlowDenoiser, run_sampler
-from .img2img import finish_latents, start_latents
+from .euler import BuiltinEuler, StepInfo  # noqa: F401 (StepInfo: what `callback` gets)
 from .run_caches import RunCaches
-from .schedule import euler_step, literal_sigmas, transformer_timestep
+from .schedule import literal_sigmas
 from .step_cache import StepCache, StepCacheOptions
 
 
 class NonFiniteLatentsError(FloatingPointError):
     """The latents became NaN or infinite; raised at the step where it happened instead of decoding black."""
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """Handed to the per-step callback: progress, interrupt checks and previews hook in there. `latents` and
-    `denoised` are computed only when read (a progress bar needs neither; a preview needs one)."""
-
-    step: int  # 0-based index of the step just finished
-    total: int
-    sigma: float
-    _after: torch.Tensor = field(repr=False)  # packed latents after the step
-    _before: torch.Tensor = field(repr=False)  # packed latents the step started from
-    _velocity: torch.Tensor = field(repr=False)
-    _grid: tuple[int, int] = field(repr=False)
-
-    @property
-    def latents(self) -> torch.Tensor:
-        """(B, 64, h, w) normalised latents after the step."""
-        return _unpack(self._after, self._grid)
-
-    @property
-    def denoised(self) -> torch.Tensor:
-        """(B, 64, h, w) the model's clean-image estimate at this step, x - sigma * v."""
-        return _unpack(self._before.float() - self.sigma * self._velocity.float(), self._grid)
 
 
 @dataclass(frozen=True)
@@ -73,14 +50,6 @@ def initial_noise(seed: int, batch: int, height: int, width: int) -> torch.Tenso
     generator = torch.Generator("cpu").manual_seed(int(seed))
     shape = (batch, LATENT_CHANNELS, *latent_shape(width, height))
     return torch.randn(shape, generator=generator, dtype=torch.float32)
-
-
-def _pack(latents: torch.Tensor) -> torch.Tensor:
-    return rearrange(latents, "b c h w -> b (h w) c")  # row-major tokens
-
-
-def _unpack(tokens: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    return rearrange(tokens, "b (h w) c -> b c h w", h=shape[0], w=shape[1])
 
 
 def _match(tensor: torch.Tensor, batch: int, grid: tuple[int, int], name: str, channels: int = LATENT_CHANNELS):
@@ -228,9 +197,11 @@ def sample(
     runs every block as before. One decision per model call (every sample and both CFG prompts together); the
     report's `step_cache` lists them.
 
-    `sampler(denoiser, sigmas, noise, latent, mask) -> latents` replaces the Euler loop with a sampler of its own
-    over the model as a flow denoiser (denoiser.py: ComfyUI's SAMPLERs through the bridge); the cache is the same,
-    `callback` then runs after every model call (a `denoiser.CallInfo`) and the report counts `model_calls`.
+    Every run is a sampler over the model as a flow denoiser (denoiser.py), which makes the one model call: None is
+    the built-in Euler (euler.py: diffusers' loop, `callback(StepInfo)` after each step); `sampler(denoiser, sigmas,
+    noise, latent, mask) -> latents` is another (ComfyUI's SAMPLERs through the bridge, run as ComfyUI's KSAMPLER
+    runs them: `run_sampler`), `callback` then runs after every model call (a `denoiser.CallInfo`) and the report
+    counts `model_calls`. The cache, the control phases and the step cache are the same for both.
     """
     notes = []
     grid = latent_shape(width, height)
@@ -267,86 +238,58 @@ def sample(
     mask = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
     if mask is not None and init is None:
         raise ValueError("a noise_mask needs the latent_image it keeps outside the mask.")
-    x0 = start_latents(noise, init, sigmas[0].item(), add_noise)
-    kept_noise = noise.float() if add_noise else torch.zeros_like(x0)
-    x = _pack(x0).to(device=device, dtype=dtype)
-    if mask is not None:
-        mask, init, kept_noise = (_pack(t).to(device) for t in (mask, init, kept_noise))
+    if init is None and not add_noise:
+        raise ValueError("add_noise off needs a latent_image: the already-noised latent to continue from.")
 
-    # A Fun ControlNet copy (transformer/controlnet.py) runs its control on the steps of its window, for both CFG
-    # prompts and every sample as core does; those steps read a controlled cache, the others a plain one.
+    # A Fun ControlNet copy (transformer/controlnet.py) runs its control on the calls inside its window, for both CFG
+    # prompts and every sample as core does; those calls read a controlled cache, the others a plain one.
     control = getattr(model, "control", None)
     phases = [control is not None and control.active(sigmas[i].item()) for i in range(steps)]
     if control is not None and (any(phases) or sampler is not None):
         control.hint(grid, device, dtype)  # the control latent (VAE encodes) before the first step's clock
 
-    def stream(controlled: bool):
-        if not controlled:
-            return None
-        return control.stream(grid, model.config.num_layers, device, dtype, net=model.control_net)
+    def controlled_at(sigma: float) -> bool:
+        return control is not None and control.active(sigma)
+
+    def mode_of(sigma: float) -> str:
+        return "uncached" if not cached else caches.mode(controlled_at(sigma))
 
     # the caches are planned on first use: a kept entry they take out of the store is handled by `close` below
     caches = RunCaches(model, prefixes, runs, store=store, keep_cache=keep_cache, new_cache=new_cache, device=device,
                        dtype=dtype, storage=storage, prefix_key=prefix_key) if cached else None
-    last_of = {phase: i for i, phase in enumerate(phases)}
-    after_block = None if check_interrupt is None else (lambda index: check_interrupt())
+    interrupt = None if check_interrupt is None else EveryBlock(lambda index: check_interrupt())
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
     # an edit (references present) changes less per step, so T8's rule asks a smaller change of it
     skipper = StepCache.for_run(step_cache, sigmas, edit=bool(positive.ref_shapes), num_layers=model.config.num_layers)
     if skipper is not None and getattr(model, "parallel", None) is not None:  # ranks decide together (parallel/)
         model.parallel.join_step_cache(skipper)
 
-    def step_cache_for(sigma: float, phase: bool, mode: str):
-        return None if skipper is None else skipper.call(sigma, key=phase, mode=mode)
-    try:
-        for i in range(steps if sampler is None else 0):
-            phase = phases[i]
-            mode = "uncached" if not cached else caches.mode(phase)
-            modes.append(mode)
-            started = clock.start()
-            t = transformer_timestep(sigmas[i], dtype).to(device)
-            v = model(torch.cat([x, x]) if use_cfg else x, t, prefixes, sample_prefix,
-                      cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
-                      after_block=after_block, control=stream(phase),
-                      step_cache=step_cache_for(sigmas[i].item(), phase, mode))
-            if cached and i == last_of[phase]:
-                caches.done_with(phase)
-            if use_cfg:
-                v_pos, v_neg = v.chunk(2)
-                v = v_neg + cfg * (v_pos - v_neg)
-            x_before = x
-            x = euler_step(x, v, sigmas[i], sigmas[i + 1])
-            if mask is not None:  # the kept region: the input latent noised to the next sigma
-                sigma_next = sigmas[i + 1].item()
-                kept = sigma_next * kept_noise + (1.0 - sigma_next) * init
-                blended = x.float() * mask + kept * (1.0 - mask)
-                # the last step's blend stays fp32, so the kept region is the input latent exactly in any dtype
-                x = blended if i == steps - 1 else blended.to(dtype)
-            watch.check(x, i)
-            clock.stop(started)
-            if callback is not None:
-                callback(StepInfo(i, steps, sigmas[i].item(), x, x_before, v, grid))
-        if sampler is not None:  # the model as a flow denoiser, called wherever the sampler asks (denoiser.py)
-            def controlled_at(sigma: float) -> bool:
-                return control is not None and control.active(sigma)
+    def forward(packed, t, mode, sigma):  # the run's one model call, whichever sampler asks
+        phase = controlled_at(sigma)
+        stream = None if not phase else control.stream(grid, model.config.num_layers, device, dtype,
+                                                       net=model.control_net)
+        return model(torch.cat([packed, packed]) if use_cfg else packed, t, prefixes, sample_prefix,
+                     cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
+                     hooks=(stream, interrupt, None if skipper is None else skipper.call(sigma, key=phase, mode=mode)))
 
-            def mode_of(sigma: float) -> str:
-                return "uncached" if not cached else caches.mode(controlled_at(sigma))
+    denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=cfg, grid=grid,
+                            mode_of=mode_of, clock=clock, modes=modes, on_call=None if sampler is None else callback,
+                            reads_sigma=control is not None or skipper is not None)
+    if sampler is None:
+        last_of = {phase: i for i, phase in enumerate(phases)}
 
-            def forward(packed, t, mode, sigma):
-                phase = controlled_at(sigma)
-                return model(torch.cat([packed, packed]) if use_cfg else packed, t, prefixes, sample_prefix,
-                             cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
-                             after_block=after_block, control=stream(phase),
-                             step_cache=step_cache_for(sigma, phase, mode))
+        def after_call(i: int) -> None:  # the last step of a phase: its cache is no longer read
+            if cached and i == last_of[phases[i]]:
+                caches.done_with(phases[i])
 
-            denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=cfg, grid=grid,
-                                    mode_of=mode_of, clock=clock, modes=modes, on_call=callback,
-                                    reads_sigma=control is not None or skipper is not None)
-            start = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
-            kept = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
-            final = run_sampler(sampler, denoiser, sigmas, noise, start, kept, add_noise)
+        run = BuiltinEuler(add_noise=add_noise, clock=clock, watch=watch, callback=callback, after_call=after_call)
+    else:
+        def run(denoiser, sigmas, noise, latent, mask):  # the SAMPLER undoes the noise scaling itself
+            final = run_sampler(sampler, denoiser, sigmas, noise, latent, mask, add_noise)
             watch.check(final, steps - 1)
+            return final
+    try:
+        latents = run(denoiser, sigmas, noise, init, mask)
         watch.finish()
         succeeded = True
     finally:
@@ -389,7 +332,5 @@ def sample(
         report["step_cache"] = skipper.report("step" if sampler is None else "model call")
     if notes:
         report["notes"] = notes
-    if sampler is not None:  # the sampler undid the noise scaling itself (ComfyUI's inverse_noise_scaling)
-        return SampleResult(final, report)
-    return SampleResult(finish_latents(_unpack(x, grid), sigmas[-1].item()), report)
+    return SampleResult(latents, report)
 

@@ -24,10 +24,14 @@ Where we differ from T8, and why:
   an ordinary call that the indicator decides.
 - mode "extrapolate" (not T8's) replays a first-order extrapolation in sigma of the last two full passes' residuals
   instead of the last one as it is.
-- with the Fun ControlNet, `control` "reuse" (T8's behaviour, the default) replays the control's skips inside the
-  residual; "recompute" runs the later control blocks on a skipped call (the control stream reads the base stream
-  only at its start, the embedded rows before base block 0) and adds their fresh skips to a residual recorded
-  without them.
+- with the Fun ControlNet, a skipped call replays the control's later skips inside the residual (T8's behaviour). The
+  node's former `control = recompute` (run the later control blocks on a skipped call) is retired: it moved pictures
+  by 0.3 dB or less for 5-13% more time on the toy, and would run 17 instead of 2 of 48 blocks on a skipped call at the
+  released size (docs/step-cache.md); a saved workflow that asks for it runs as above.
+
+The probe is "the first n blocks" (`StepCache(probe_blocks=n)`, 1 = T8's block 0, what the nodes use): a block hook of
+the DiT's forward (model/transformer/hooks.py), so another probe, a front/back split or a higher-order forecast is
+another hook, not an edit of the DiT.
 
 Off means exact: a model without the option, threshold 0 or mode "off" gives no `StepCache` (`StepCache.for_run`
 returns None) and the DiT runs as before, bit for bit.
@@ -38,10 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..transformer.hooks import STEP_CACHE, BlockHook, Finish
+
 MODES = ("off", "t8", "extrapolate")
-#: What a skipped call does with the Fun ControlNet's later blocks: replay their skips inside the last full pass's
-#: residual, or run them and add their skips to the residual of the base blocks alone.
-CONTROL_MODES = ("reuse", "recompute")
 #: T8 BlockCache 0.1.3's `CacheConfig` defaults; 0.03 for edits is its README's advice.
 THRESHOLD, EDIT_THRESHOLD = 0.08, 0.03
 START_PERCENT, END_PERCENT = 0.10, 0.85
@@ -59,13 +62,10 @@ class StepCacheOptions:
     start_percent: float = START_PERCENT
     end_percent: float = END_PERCENT
     max_skips: int = MAX_SKIPS
-    control: str = "reuse"  # CONTROL_MODES
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}.")
-        if self.control not in CONTROL_MODES:
-            raise ValueError(f"control must be one of {', '.join(CONTROL_MODES)}; got {self.control!r}.")
         for name in ("threshold", "edit_threshold"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -107,21 +107,28 @@ class OneProcessIndicator:
 ONE_PROCESS = OneProcessIndicator()
 
 
-class StepCache:
+class StepCache(BlockHook):
     """One run's step cache: the loop asks `call(sigma, key, mode)` before each model call and hands what it returns
-    to the DiT's forward as `step_cache`; the DiT then calls `before_blocks`, `after_first_block` (the target rows to
-    finish with on a skipped call, else None) and, when every block ran, `after_blocks`.
+    to the DiT's forward as one of its block hooks (model/transformer/hooks.py, last in their order). Its probe is the
+    first `probe_blocks` blocks (1: T8's block 0): `start` samples the target rows before block 0, `after_block` at
+    the probe's last block decides, and returns `Finish` (the probe's output + the replayed residual) on a skipped call;
+    `end` keeps the residual of the blocks after the probe when every block ran.
 
     One decision per model call, for the whole batched forward (every sample and both CFG prompts). The tensors it
-    holds (block 0's output and the residual of the last full pass, in fp32) are dropped by `free`, which the loop
-    calls in its `finally`. With `control` "recompute" and a Fun ControlNet stream, a full pass keeps the residual of
-    the base blocks alone (the control's later skips, summed by the stream in one more fp32 target-rows tensor for
-    the length of the forward, taken out), and a skipped call runs the later control blocks and adds their skips."""
+    holds (the probe's output and the residual of the last full pass, in fp32) are dropped by `free`, which the loop
+    calls in its `finally`."""
 
-    def __init__(self, options: StepCacheOptions, sigmas, *, edit: bool, num_layers: int):
+    order = STEP_CACHE
+    name = "the Step Cache"
+
+    def __init__(self, options: StepCacheOptions, sigmas, *, edit: bool, num_layers: int, probe_blocks: int = 1):
         self.options = options
         self.threshold = options.threshold_for(edit)
         self.num_layers = int(num_layers)
+        self.probe_blocks = int(probe_blocks)
+        if not 1 <= self.probe_blocks < self.num_layers:
+            raise ValueError(f"probe_blocks must be 1 to {self.num_layers - 1} (blocks after the probe to skip); "
+                             f"got {probe_blocks!r}.")
         self.sigmas = [float(s) for s in sigmas]
         self.records: list[tuple[float, float | None, bool]] = []  # per call: sigma, indicator, skipped
         #: how the indicator is read and scored: `ONE_PROCESS` below; the ranks of a split run replace it with one
@@ -129,28 +136,29 @@ class StepCache:
         #: would decide differently and wait on each other in the skipped blocks' collectives
         self.indicator = ONE_PROCESS
         self._reset()
-        self._key = self._last_sigma = None
+        self._key = self._last_sigma = self._rows = None
         self._may_skip, self._sigma, self._before, self._anchor, self._indicator = False, None, None, None, None
-        self._control = None  # this call's control stream when its skips are recomputed
         self._controlled = False  # whether any call of the run had a control stream (the report says)
 
     @classmethod
-    def for_run(cls, options: StepCacheOptions | None, sigmas, *, edit: bool, num_layers: int) -> "StepCache | None":
+    def for_run(cls, options: StepCacheOptions | None, sigmas, *, edit: bool, num_layers: int,
+                probe_blocks: int = 1) -> "StepCache | None":
         """The run's step cache, or None when it cannot skip anything: no options, mode off, threshold 0 (exact by
-        construction: the DiT never sees a step cache), or a one-block model (nothing after block 0)."""
-        if options is None or options.mode == "off" or options.threshold_for(edit) <= 0 or num_layers < 2:
+        construction: the DiT never sees a step cache), or no block after the probe."""
+        if (options is None or options.mode == "off" or options.threshold_for(edit) <= 0
+                or num_layers <= probe_blocks):
             return None
-        return cls(options, sigmas, edit=edit, num_layers=num_layers)
+        return cls(options, sigmas, edit=edit, num_layers=num_layers, probe_blocks=probe_blocks)
 
     def _reset(self) -> None:
-        self._reference = None  # block 0's sampled residual at the last full pass
-        self._residual = None  # (sigma, blocks 1..N-1's residual (B*T, width) fp32) of the last full pass
+        self._reference = None  # the probe's sampled residual at the last full pass
+        self._residual = None  # (sigma, the later blocks' residual (B*T, width) fp32) of the last full pass
         self._previous = None  # the same of the full pass before (mode "extrapolate")
         self._skips = 0
 
     def free(self) -> None:
         self._reset()
-        self._before = self._anchor = self._indicator = self._control = None
+        self._before = self._anchor = self._indicator = self._rows = None
 
     # -- the loop's side ------------------------------------------------------------------------------------------
     def progress(self, sigma: float) -> float:
@@ -166,36 +174,36 @@ class StepCache:
         return 1.0
 
     def call(self, sigma: float, key=None, mode: str = "cached") -> "StepCache":
-        """Prepare for one model call at `sigma`; `key` names what the call's blocks are (the Fun ControlNet's phase):
-        a residual is replayed only into a call of the same key. Returns self, for the DiT's `step_cache`."""
+        """Prepare for one model call at `sigma`; `key` is the call's Fun ControlNet phase (True: its stream runs),
+        what the call's blocks are: a residual is replayed only into a call of the same key. Returns self, the
+        forward's block hook."""
         sigma = float(sigma)
         if (self._last_sigma is not None and sigma > self._last_sigma) or key != self._key:
             self._reset()  # a new pass, or other blocks: nothing of the last full pass applies
         self._last_sigma, self._key, self._sigma = sigma, key, sigma
+        self._controlled = self._controlled or bool(key)
         options = self.options
         self._may_skip = (mode != "prefill" and self._residual is not None and self._skips < options.max_skips
                           and options.start_percent <= self.progress(sigma) < options.end_percent)
         return self
 
-    # -- the DiT's side -------------------------------------------------------------------------------------------
-    @staticmethod
-    def _targets(x: torch.Tensor, rows) -> torch.Tensor:
+    # -- the DiT's side (hooks.BlockHook) -------------------------------------------------------------------------
+    def _targets(self, x: torch.Tensor) -> torch.Tensor:
         """The target rows of the row buffer `(rows, width)` (always its last `samples * target_len` rows), as
         `(samples, target_len, width)`."""
+        rows = self._rows
         return x[x.shape[0] - rows.samples * rows.target_len :].view(rows.samples, rows.target_len, -1)
 
-    def before_blocks(self, x: torch.Tensor, rows, control=None) -> None:
-        """`control`: the call's Fun ControlNet stream (controlnet.ControlStream), or None."""
-        self._before = self.indicator.sampled(self._targets(x, rows))
-        self._controlled = self._controlled or control is not None
-        self._control = control if self.options.control == "recompute" else None
-        if self._control is not None:  # a full pass takes the control's later skips out of the residual it keeps
-            self._control.collect_later = True
+    def start(self, x: torch.Tensor, mods, rows, cache) -> None:
+        self._rows = rows
+        self._before = self.indicator.sampled(self._targets(x))
 
-    def after_first_block(self, x: torch.Tensor, rows) -> torch.Tensor | None:
-        """Block 0 ran (its output is `x`): the target rows `(samples * target_len, width)` to finish the call with
-        when it is skipped, else None (and block 0's output is kept to take the residual from)."""
-        target = self._targets(x, rows)
+    def after_block(self, index: int, x: torch.Tensor) -> "torch.Tensor | Finish":
+        """After the probe's last block: `Finish` with the target rows `(samples * target_len, width)` when the call
+        is skipped, else `x` (and the probe's output is kept to take the residual from)."""
+        if index != self.probe_blocks - 1:
+            return x
+        target = self._targets(x)
         self._indicator = self.indicator.sampled(target) - self._before
         self._before = None
         score = None if self._reference is None else self.indicator.score(self._indicator, self._reference)
@@ -203,21 +211,13 @@ class StepCache:
         self.records.append((self._sigma, score, skip))
         if not skip:
             self._anchor = target.to(torch.float32, copy=True)  # a copy: the next blocks change the buffer in place
-            return None
+            return x
         self._skips += 1
-        control, self._control = self._control, None
-        if control is None:
-            return (target.float() + self._replayed()).to(x.dtype).flatten(0, 1)
-        fresh = control.remaining_skips().view_as(target)  # the later control blocks run now
-        return (target.float() + self._replayed() + fresh).to(x.dtype).flatten(0, 1)
+        return Finish((target.float() + self._replayed()).to(x.dtype).flatten(0, 1))
 
-    def after_blocks(self, x: torch.Tensor, rows) -> None:
-        """Every block ran; `x` holds the target rows after the last one: keep blocks 1..N-1's residual (without the
-        control's later skips when they are recomputed)."""
-        residual = self._targets(x, rows).float() - self._anchor
-        control, self._control = self._control, None
-        if control is not None and control.later_skips is not None:
-            residual -= control.later_skips.view_as(residual)
+    def end(self, x: torch.Tensor) -> None:
+        """Every block ran; `x` holds the target rows after the last one: keep the later blocks' residual."""
+        residual = self._targets(x).float() - self._anchor
         self._previous = self._residual if self.options.mode == "extrapolate" else None
         self._residual = (self._sigma, residual)
         self._reference, self._anchor, self._skips = self._indicator, None, 0
@@ -238,17 +238,17 @@ class StepCache:
         for the built-in loop, "model call" for a SAMPLER)."""
         skipped = sum(skip for _, _, skip in self.records)
         calls = len(self.records)
-        blocks = calls * self.num_layers
+        blocks, later = calls * self.num_layers, self.num_layers - self.probe_blocks
         return {
             "mode": self.options.mode,
             "threshold": self.threshold,
-            "control": self.options.control if self._controlled else None,
+            "control": "reuse" if self._controlled else None,  # the one way left (reports before had "recompute")
             "window": [self.options.start_percent, self.options.end_percent],
             "max_skips": self.options.max_skips,
             "per": per,
             "run": calls - skipped,
             "skipped": skipped,
-            "blocks_skipped_share": round(skipped * (self.num_layers - 1) / blocks, 4) if blocks else 0.0,
+            "blocks_skipped_share": round(skipped * later / blocks, 4) if blocks else 0.0,
             "indicator": [None if score is None else round(score, 4) for _, score, _ in self.records],
             "pattern": "".join("S" if skip else "F" for _, _, skip in self.records),
         }

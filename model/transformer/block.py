@@ -1,5 +1,8 @@
 """One block of the Qwen-Image 2.1 DiT, the row buffer it runs over (`Rows`) and the DiT's config: the part a
-second stream of the same blocks (the Fun ControlNet, controlnet.py) shares with the DiT (dit.py)."""
+second stream of the same blocks (the Fun ControlNet, controlnet.py) shares with the DiT (dit.py).
+
+This is the inference block: it writes into preallocated buffers and updates the row buffer in place. Training
+(demo/train_toy.py) switches a model to training.py's subclasses, which compute the same sums out of place."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -10,7 +13,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..layers.linear import Linear
-from .attention import block_causal_attention, prefix_attention_flex, prefix_attention_sdpa, target_attention
+from .attention import block_causal_attention, prefix_attention_flex, target_attention
 from .prefix_cache import LayerKV
 from .rope import apply_rope
 
@@ -142,21 +145,21 @@ class Rows:
         `kv`, this layer's cache) and itself."""
         if self.chunk_masks and self.chunk_masks[c] is not None:
             return prefix_attention_flex(q, k, v, self.chunk_masks[c])
+        k, v = self.with_context(c, k, v, kv)
+        return block_causal_attention(q, k, v, self.chunk_segments[c])
+
+    def with_context(self, c: int, k, v, kv=None) -> tuple:
+        """Chunk c's keys and values after those of the leading run the cache holds before it (none: as they are)."""
         first = self.chunk_first[c]
         if first:
             context = kv.read_parts(self.chunk_groups[c], first)
             k = torch.cat([part_k for part_k, _ in context] + [k])
             v = torch.cat([part_v for _, part_v in context] + [v])
-        if q.requires_grad:  # training (demo/train_toy.py): the operator has no autograd formula; the same sums
-            table = [(start, end, bool(text)) for start, end, text in self.chunk_segments[c].tolist()]
-            return prefix_attention_sdpa(q, k, v, table, k.shape[0] - q.shape[0])
-        return block_causal_attention(q, k, v, self.chunk_segments[c])
+        return k, v
 
     def modulate(self, x: torch.Tensor, factor: torch.Tensor, prefix: bool = True) -> torch.Tensor:
         """`x * factor` (`factor` = 1 + scale) with each row's own modulation row (prefix g: its row; sample b's
         targets: row b). `prefix=False`: `x` holds the target rows only (the last block after dropping the rest)."""
-        if x.requires_grad or factor.requires_grad:  # training (demo/train_toy.py): autograd cannot follow out=
-            return self._per_row(x, factor, prefix=prefix)
         out = torch.empty_like(x)
         t0 = self.target_start if prefix else 0
         if prefix:
@@ -167,10 +170,8 @@ class Rows:
         return out
 
     def gated_add(self, x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, prefix: bool = True):
-        """`x + gate * update` (`gate` = tanh of the table's gate) with `modulate`'s row selection: in place into
-        `x` (returned), or a new tensor when autograd records (it cannot follow an in-place sum into a saved `x`)."""
-        if x.requires_grad or update.requires_grad:
-            return self._per_row(x, gate, update, prefix)
+        """`x + gate * update` (`gate` = tanh of the table's gate) with `modulate`'s row selection, in place into `x`
+        (returned)."""
         t0 = self.target_start if prefix else 0
         if prefix:
             for (start, end), row in zip(self.prefix_spans, self.prefix_mod_rows):
@@ -178,24 +179,6 @@ class Rows:
         target = x[t0:].view(self.samples, self.target_len, -1)
         target += gate[: self.samples, None] * update[t0:].view_as(target)
         return x
-
-    def _per_row(self, x: torch.Tensor, table: torch.Tensor, update: torch.Tensor | None = None,
-                 prefix: bool = True) -> torch.Tensor:
-        """The training path of `modulate` (`update` None: `x * table`) and `gated_add` (`x + table * update`), out
-        of place with the same row selection and the same values; inference writes into preallocated buffers."""
-        xs = self.chunks(x, prefix)
-        updates = (None,) * len(xs) if update is None else self.chunks(update, prefix)
-        parts = []
-        for x_c, update_c, row in zip(xs[:-1], updates[:-1], self.prefix_mod_rows):
-            factor = table[row]
-            parts.append(x_c * factor if update is None else x_c + factor * update_c)
-        target = xs[-1].view(self.samples, self.target_len, -1)
-        factor = table[: self.samples, None]
-        if update is None:
-            parts.append((target * factor).flatten(0, 1))
-        else:
-            parts.append((target + factor * updates[-1].view_as(target)).flatten(0, 1))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def block_modulation(table: torch.Tensor) -> torch.Tensor:
@@ -231,8 +214,6 @@ class Block(nn.Module):
         hidden = self.gate_up.weight.shape[0] // 2
         up = self.gate_up.rows(x, hidden, 2 * hidden)
         gate = self.gate_up.rows(x, 0, hidden)
-        if gate.requires_grad:  # training: autograd needs the pre-activation the in-place SiLU would overwrite
-            return self.down(F.silu(gate) * up)
         return self.down(F.silu(gate, inplace=True).mul_(up))
 
     def qkv_heads(self, h: torch.Tensor, rope: torch.Tensor):
@@ -280,15 +261,17 @@ class Block(nn.Module):
 
     def run(self, x: torch.Tensor, mods: torch.Tensor, rows: Rows, kv: LayerKV | None, drop_prefix: bool):
         """`forward`'s work, eager or traced: only tensor maths, so nothing in it breaks a compiled graph."""
-        heads, head_dim = self.num_heads, self.head_dim
         factor1, gate1, factor2, gate2 = mods.chunk(4, dim=-1)
         q, k, v = self.qkv_heads(rows.modulate(layer_norm(x, self.eps), factor1), rows.rope)
-        t0 = rows.target_start
-        if q.requires_grad:
-            attn = self._attention_autograd(q, k, v, rows, kv, drop_prefix)
-            return self._finish(x, attn, gate1, factor2, gate2, rows, drop_prefix)
+        attn = self.attention(q, k, v, rows, kv, drop_prefix)
+        return self._finish(x, attn, gate1, factor2, gate2, rows, drop_prefix)
+
+    def attention(self, q, k, v, rows: Rows, kv, drop_prefix: bool) -> torch.Tensor:
+        """Every row's attention output `(rows, heads, head_dim)` (the target rows only with `drop_prefix`), written
+        into one buffer; a prefill stores the chunks' keys and values in `kv` first."""
+        heads, head_dim, t0 = self.num_heads, self.head_dim, rows.target_start
         first_out = t0 if drop_prefix else 0
-        attn = torch.empty(x.shape[0] - first_out, heads, head_dim, dtype=v.dtype, device=v.device)
+        attn = torch.empty(q.shape[0] - first_out, heads, head_dim, dtype=v.dtype, device=v.device)
         (*q_c, q_t), (*k_c, k_t), (*v_c, v_t) = (rows.chunks(tensor) for tensor in (q, k, v))
         self._store_prefill(rows, k_c, v_c, kv)
         if not drop_prefix:
@@ -301,7 +284,7 @@ class Block(nn.Module):
             if pick is not None:
                 prefix = rows.prefix_keys(g, k_c, v_c, kv)
                 attn_t[pick] = rows.target_attention(q_t[pick], k_t[pick], v_t[pick], *prefix)
-        return self._finish(x, attn, gate1, factor2, gate2, rows, drop_prefix)
+        return attn
 
     @staticmethod
     def _store_prefill(rows: Rows, chunk_k, chunk_v, kv) -> None:
@@ -322,31 +305,3 @@ class Block(nn.Module):
         if x.dtype == torch.float16:
             x = x.clamp_(-65504, 65504)
         return x
-
-    def _attention_autograd(self, q, k, v, rows: Rows, kv, drop_prefix: bool) -> torch.Tensor:
-        """`run`'s attention when autograd records (demo/train_toy.py), the same sums out of place: the samples split
-        too, and the outputs concatenated instead of written into a buffer (autograd turns every slice assignment
-        into a copy of the whole buffer: a cost that grows with the square of the prompts in a batch)."""
-        samples, length = rows.samples, rows.target_len
-        (*q_c, q_t), (*k_c, k_t), (*v_c, v_t) = (rows.chunks(tensor) for tensor in (q, k, v))
-        self._store_prefill(rows, k_c, v_c, kv)
-        outputs = [] if drop_prefix else [rows.prefix_attention(c, q_c[c], k_c[c], v_c[c], kv) for c in range(len(q_c))]
-        shape = (samples, length, self.num_heads, self.head_dim)
-        q_t, k_t, v_t = (tensor.view(shape) for tensor in (q_t, k_t, v_t))
-        groups = [(g, pick) for g, pick in enumerate(rows.readers) if pick is not None]
-        if all(isinstance(pick, slice) for _, pick in groups):  # consecutive readers: one split in sample order
-            groups.sort(key=lambda item: item[1].start)
-            counts = [pick.stop - pick.start for _, pick in groups]
-            parts = zip(*(tensor.split(counts) for tensor in (q_t, k_t, v_t)))
-            order = None
-        else:
-            picks = [torch.arange(samples)[pick] for _, pick in groups]
-            parts = [(q_t[p], k_t[p], v_t[p]) for p in picks]
-            order = torch.cat(picks).argsort()
-        target = []
-        for (g, _), (q_g, k_g, v_g) in zip(groups, parts):
-            target.append(rows.target_attention(q_g, k_g, v_g, *rows.prefix_keys(g, k_c, v_c, kv)))
-        target = torch.cat(target)
-        if order is not None:
-            target = target[order]
-        return torch.cat(outputs + [target.flatten(0, 1)])

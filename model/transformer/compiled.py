@@ -1,12 +1,13 @@
 """Regional compilation: one `torch.compile`d block forward that every block of a model (and of its Fun ControlNet)
 runs, with dynamic shapes, so prompt length, reference count and image size never recompile it.
 
-Why one block and not the model: what must never sit inside a graph runs between blocks or around them. The
-interrupt check (`after_block`: ComfyUI's takes an `RLock`), progress and previews (the sampler), the control stream's
-bookkeeping (`ControlStream.after_base_block`) and weight streaming (forward hooks around `Block.__call__`, which calls
-`Block.forward`, which calls the compiled `Block.run`) all stay eager. Inside a block everything is tensor maths over
-what it is handed (`Rows`: tensors, ints and tuples; `LayerKV`: that layer's views of the prefix cache), so one graph
-serves every layer; the prefill's per-segment attention is one opaque operator (`attention.block_causal_attention`).
+Why one block and not the model: what must never sit inside a graph runs between blocks or around them. The interrupt
+check, the control stream's bookkeeping and the step cache (the forward's block hooks, hooks.py; ComfyUI's interrupt
+check takes an `RLock`), progress and previews (the sampler) and weight streaming (forward hooks around
+`Block.__call__`, which calls `Block.forward`, which calls the compiled `Block.run`) all stay eager. Inside a block
+everything is tensor maths over what it is handed (`Rows`: tensors, ints and tuples; `LayerKV`: that layer's views of
+the prefix cache), so one graph serves every layer; the prefill's per-segment attention is one opaque operator
+(`attention.block_causal_attention`).
 
 Per mode (and last block or not) one compiled function with a cache of its own: a run makes three graphs, the
 prefill's blocks, its last block (which drops the prefix rows) and the cached steps' blocks, and a ControlNet block

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..layers.linear import Linear
 from .block import Block, DiTConfig, Rows
+from .hooks import CONTROL, BlockHook
 from .prefix_cache import PrefixKVCache
 
 CONTROL_IN_DIM = 129  # 64 control latent channels, 1 keep-mask channel, 64 inpaint latent channels
@@ -117,9 +118,10 @@ class FunControlNet(nn.Module):
         return injection_layers(theirs.num_layers, mine.num_blocks)
 
 
-class ControlStream:
-    """The control stream of one forward, in the model's compute dtype; the DiT calls `start` before its first block
-    and `after_base_block` after each (model/transformer/dit.py). `hint` is the `(T, 129)` control latent of the
+class ControlStream(BlockHook):
+    """The control stream of one forward, in the model's compute dtype: a block hook (hooks.py) of the DiT's forward,
+    `start` before its first block and `after_block` after each, first in the hooks' order (its skips are part of
+    the model's arithmetic). `hint` is the `(T, 129)` control latent of the
     target rows (one for all samples: both CFG prompts and every seed read it).
 
     The control blocks' prefix keys and values live in the base's prefix cache as `cache_layers` more layers
@@ -127,16 +129,15 @@ class ControlStream:
     kept controlled prefix is reused, shared by CFG's prompts and extended after a kept leading run exactly like
     a plain one (their prefix rows depend only on earlier prefix rows, as the base's do)."""
 
+    order = CONTROL
+    runs_split = False
+    name = "a Fun ControlNet"
+
     def __init__(self, net: FunControlNet, layers: tuple[int, ...], hint: torch.Tensor, strength: float,
                  base_layers: int):
         self.net, self.hint, self.strength, self.base_layers = net, hint, float(strength), int(base_layers)
         self.at = {base: k for k, base in enumerate(layers)}  # base block index -> control block index
         self.x = self.c = self.mods = self.rows = self.cache = None
-        self.ran = 0  # control blocks run so far in this forward (they run in order)
-        #: set by a step cache that recomputes the control on skipped calls (sampling/step_cache.py): then the skips
-        #: of control blocks 1.. on the target rows are summed in `later_skips` (fp32 `(samples * target_len, width)`)
-        self.collect_later = False
-        self.later_skips = None
 
     @property
     def cache_layers(self) -> int:
@@ -153,7 +154,7 @@ class ControlStream:
                              f"({rows.target_len}, {config.control_in_dim}).")
         self.x, self.mods, self.rows, self.cache = x.clone(), mods, rows, cache
 
-    def after_base_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
+    def after_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Run the control block paired with base block `index` (if any) and add its skip to `x` in place."""
         k = self.at.get(index)
         if k is None:
@@ -163,33 +164,15 @@ class ControlStream:
             skip = skip[self.rows.target_start :]
         return x.add_(skip, alpha=self.strength)
 
-    def remaining_skips(self) -> torch.Tensor:
-        """Run the control blocks this forward has not run yet (a step cache skipped the base blocks they follow:
-        the stream never reads the base stream after its start, so they compute what they would have) and return
-        the strength-scaled skips of control blocks 1.. on the target rows, summed in fp32."""
-        self.collect_later = True
-        for k in range(self.ran, len(self.net.blocks)):
-            self._run(k)
-        if self.later_skips is None:  # a one-block control net: nothing after block 0
-            self.later_skips = torch.zeros(self.rows.samples * self.rows.target_len, self.net.config.width,
-                                           device=self.c.device, dtype=torch.float32)
-        return self.later_skips
-
     def _run(self, k: int) -> torch.Tensor:
         """Control block k on the stream; its skip `after_proj(c_{k+1})` on every row the stream holds."""
-        if k != self.ran:
-            raise RuntimeError(f"control block {k} was asked for after {self.ran} of them ran: they run in order.")
         block, rows = self.net.blocks[k], self.rows
         if k == 0:
             self.c, self.x = self._first_input(block), None
         kv = self.cache.layer_kv(self.base_layers + k) if self.cache is not None else None
         self.c = block(self.c, self.mods, rows, kv)
-        self.ran = k + 1
         skip = block.after_proj(self.c)
         skip += block.after_proj_bias
-        if self.collect_later and k > 0:
-            scaled = skip[rows.target_start :].float() * self.strength
-            self.later_skips = scaled if self.later_skips is None else self.later_skips.add_(scaled)
         return skip
 
     def _first_input(self, block: ControlBlock) -> torch.Tensor:

@@ -15,12 +15,12 @@ What we do differently is where the work goes:
 - [q; k; v] and [gate; up] are single weights run as two GEMMs each ([q; k] and v; gate and up), so every
   output is a dense buffer and every later elementwise kernel and the K/V concatenation run on contiguous
   memory: on an H200 the gapped views of one fused output cost more in slow strided kernels than the fusion
-  saved (measured with benchmarks/bench_gpu.py, see docs/measurements.md).
+  saved (measured with benchmarks/speed.py gpu, see docs/measurements.md).
 One block, the row buffer it runs over and the config are in `block.py` (the Fun ControlNet's blocks are the same).
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,7 @@ from ..layers.linear import Linear
 from .attention import ATTENTION_BACKENDS, flex_block_mask, segment_table
 from .block import Block, DiTConfig, Rows, block_modulation, layer_norm
 from .compiled import begin_step
+from .hooks import BlockHook, Finish, ordered
 from .layout import SequenceLayout
 from .prefix_cache import PrefixKVCache
 from .rope import rope_rotations
@@ -113,7 +114,8 @@ def _readers(sample_prefix: list[int], num_prefixes: int) -> tuple:
 class QwenImage21DiT(nn.Module):
     """The Qwen-Image 2.1 DiT. Parameter names are ours; `loaders/dit_keys.py` maps both file layouts onto them.
 
-    `forward` = `prepare` (embeddings, modulation rows, the `Rows` of this call) + each block + `final_layer`.
+    `forward` = `prepare` (embeddings, modulation rows, the `Rows` of this call) + each block, with the block hooks
+    between them (hooks.py) + `final_layer`.
     """
 
     def __init__(self, config: DiTConfig = DiTConfig(), device=None, dtype=None,  # noqa: B008 (frozen)
@@ -150,9 +152,7 @@ class QwenImage21DiT(nn.Module):
         cache: PrefixKVCache | None = None,
         mode: str = "uncached",
         attention: str | None = None,
-        after_block: Callable[[int], None] | None = None,
-        control=None,
-        step_cache=None,
+        hooks: Sequence[BlockHook | None] = (),
     ) -> torch.Tensor:
         """Velocity for the target rows.
 
@@ -165,45 +165,37 @@ class QwenImage21DiT(nn.Module):
             cache: the `PrefixKVCache` to fill (`mode="prefill"`) or read (`mode="cached"`).
             mode: "uncached" (no cache), "prefill" (full sequence, fills `cache`) or "cached" (target rows only).
             attention: prefill backend for this call, "sdpa" or "flex"; default: the model's.
-            after_block: called with each block's index after it ran (interrupt checks inside a step).
-            control: a second stream added to this one (`controlnet.ControlStream`): `start(x, mods, rows, cache)`
-                sees the embedded rows before block 0, `after_base_block(index, x)` returns each block's output with
-                the control's skip added; its blocks' prefix K/V are `control.cache_layers` more layers of `cache`.
-            step_cache: the run's step cache for this call (sampling/step_cache.py), or None (every block runs):
-                `before_blocks(x, rows, control)` sees the rows before block 0 (and the control stream, whose later
-                blocks it may run on a skipped call); `after_first_block(x, rows)` may return the target rows to
-                finish with (blocks 1..N-1 skipped, so a streamed one is never brought in);
-                `after_blocks(x, rows)` sees the target rows after the last block.
+            hooks: work between blocks (`hooks.BlockHook`: the Fun ControlNet's stream, the interrupt check, the step
+                cache), run in their stated order (hooks.py); None entries are skipped.
         Returns:
             `(B, T, out_channels)` in the compute dtype.
         """
         begin_step(self)
-        extra = control.cache_layers if control is not None else 0
+        hooks = ordered(hooks)
         x, mods, final_scale, rows = self.prepare(target, timestep, prefixes, sample_prefix, cache, mode, attention,
-                                                  extra_cache_layers=extra)
+                                                  extra_cache_layers=sum(hook.cache_layers for hook in hooks))
         if self.parallel is not None:
-            if control is not None:
-                raise ValueError("a Fun ControlNet does not run split over several devices yet; load the model "
-                                 "with parallel off to use it.")
+            self._check_split(hooks)
             x, rows = self.parallel.shard(x, rows)
-        if control is not None:
-            control.start(x, mods, rows, cache)
-        if step_cache is not None:
-            step_cache.before_blocks(x, rows, control)
+        for hook in hooks:
+            hook.start(x, mods, rows, cache)
         last = len(self.blocks) - 1
         for index, block in enumerate(self.blocks):
             x = block(x, mods, rows, cache.layer_kv(index) if cache is not None else None, drop_prefix=index == last)
-            if control is not None:
-                x = control.after_base_block(index, x)
-            if after_block is not None:
-                after_block(index)
-            if step_cache is not None and index == 0:
-                replayed = step_cache.after_first_block(x, rows)
-                if replayed is not None:  # a skipped call: the output layer reads the target rows only
-                    return self._gathered(self.final_layer(replayed, final_scale, rows), target)
-        if step_cache is not None:
-            step_cache.after_blocks(x, rows)
+            for hook in hooks:
+                x = hook.after_block(index, x)
+                if isinstance(x, Finish):  # the blocks left are skipped: the output layer reads these target rows
+                    return self._gathered(self.final_layer(x.x, final_scale, rows), target)
+        for hook in hooks:
+            hook.end(x)
         return self._gathered(self.final_layer(x, final_scale, rows), target)
+
+    @staticmethod
+    def _check_split(hooks) -> None:
+        for hook in hooks:
+            if not hook.runs_split:
+                raise ValueError(f"{hook.name} does not run split over several devices yet; load the model with "
+                                 "parallel off to use it.")
 
     def _gathered(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The velocity of every target row: this process's own, or gathered from every rank of a split forward."""
@@ -215,7 +207,7 @@ class QwenImage21DiT(nn.Module):
 
         `x` is the row buffer `(rows, width)`, `mods` the modulation rows `(B + 1, 4 * width)` every block
         reads (`block.block_modulation`), `final_scale` the output head's `(B + 1, width)`, `rows` the buffer's
-        `Rows`. A prefill allocates `cache` (with `extra_cache_layers` after the blocks' own: a control stream's);
+        `Rows`. A prefill allocates `cache` (with `extra_cache_layers` after the blocks' own: the hooks' blocks);
         a cached step checks it was filled for these prefixes and layers.
         """
         config = self.config

@@ -1,0 +1,79 @@
+"""Block hooks: work between the DiT's blocks that may replace the row buffer `x` (model/transformer/dit.py).
+
+`QwenImage21DiT.forward(..., hooks=[...])` runs, for one forward:
+
+    prepare                       embeddings, modulation rows, the `Rows` (and a split run's shard)
+    hook.start(x, mods, rows, cache)      every hook, before block 0
+    for each block i:
+        x = block(x)
+        x = hook.after_block(i, x)        every hook, in ORDER; a `Finish` ends the blocks here
+    hook.end(x)                   every hook, when every block ran
+    final_layer
+
+The order is stated once, by each hook's `order` (ties keep the caller's order), not by who builds the list:
+    CONTROL (10)    a second stream that adds to `x` (the Fun ControlNet): part of the model's arithmetic
+    INTERRUPT (20)  reads nothing, may raise (the interrupt check): after the arithmetic of the block
+    STEP_CACHE (30) reads the finished `x` and may end the blocks early (the step cache's probe): last
+A hook that ends the blocks early returns `Finish(target_rows)`: the forward goes straight to the output layer with
+those rows (`(samples * target_len, width)`), the hooks after it in the order are not asked, and no hook's `end`
+runs. A DBCache-style front/back split or a higher-order forecast is one more hook, not an edit of `forward`.
+
+Hooks stay eager: they run between the compiled blocks (compiled.py), never inside a graph.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+CONTROL, INTERRUPT, STEP_CACHE = 10, 20, 30
+
+
+@dataclass(frozen=True, eq=False)
+class Finish:
+    """What a hook returns to end the blocks early: the target rows to finish the forward with."""
+
+    x: torch.Tensor
+
+
+class BlockHook:
+    """A hook's protocol, every method a no-op: subclasses override what they need.
+
+    `cache_layers`: prefix-cache layers this hook's own blocks add after the DiT's (a control stream's), so a
+    prefill allocates them and a cached step checks them. `runs_split`: whether it can run on one rank's share of
+    the target rows of a split forward (model/parallel/ulysses.py); one that cannot is refused there by name."""
+
+    order = INTERRUPT
+    cache_layers = 0
+    runs_split = True
+    name = "a block hook"
+
+    def start(self, x: torch.Tensor, mods: torch.Tensor, rows, cache) -> None:
+        """Before block 0: `x` the row buffer, `mods` the modulation rows, `rows` the buffer's `Rows`, `cache` the
+        prefix cache (or None)."""
+
+    def after_block(self, index: int, x: torch.Tensor) -> "torch.Tensor | Finish":
+        """After block `index`: the buffer to go on with (`x`, maybe changed in place), or `Finish`."""
+        return x
+
+    def end(self, x: torch.Tensor) -> None:
+        """Every block ran; `x` holds the target rows after the last one (the last block drops the prefix rows)."""
+
+
+class EveryBlock(BlockHook):
+    """`callback(index)` after each block, the buffer untouched (the loop's interrupt check inside a step)."""
+
+    order = INTERRUPT
+    name = "the interrupt check"
+
+    def __init__(self, callback: Callable[[int], None]):
+        self.callback = callback
+
+    def after_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        self.callback(index)
+        return x
+
+
+def ordered(hooks) -> tuple:
+    """The hooks of one forward in ORDER (None entries dropped); a stable sort, so equal orders keep theirs."""
+    return tuple(sorted((hook for hook in hooks if hook is not None), key=lambda hook: hook.order))
