@@ -176,7 +176,10 @@ class QI21ModelLoader(io.ComfyNode):
         problem = file_problem(cls, "diffusion_models", model_name, devices=devices, parallel=parallel, **kwargs)
         if problem is not True or (devices in ("", None) and parallel == "off"):
             return problem
-        path = bridge.model_path("diffusion_models", model_name) if model_name is not None else None
+        try:
+            path = bridge.model_path("diffusion_models", model_name) if model_name is not None else None
+        except FileNotFoundError:  # gone since it was listed: the heads are checked when the loader runs
+            path = None
         return rank_problem(devices, parallel, path) or True  # before any worker starts (nodes/parallel.py)
 
     @classmethod
