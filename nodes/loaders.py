@@ -190,7 +190,10 @@ class QI21ModelLoader(io.ComfyNode):
         if problem is not True:
             return problem
         if devices not in ("", None) or parallel != "off":
-            path = bridge.model_path("diffusion_models", model_name) if model_name is not None else None
+            try:
+                path = bridge.model_path("diffusion_models", model_name) if model_name is not None else None
+            except FileNotFoundError:  # gone since it was listed: the heads are checked when the loader runs
+                path = None
             problem = rank_problem(devices, parallel, path)  # before any worker starts (nodes/parallel.py)
         return problem or loader_pairs_problem(devices=devices, parallel=parallel, **kwargs) or True
 

@@ -120,3 +120,14 @@ def test_an_oversized_combo_value_is_quoted_short(models_root):
     message = QI21ModelLoader.validate_inputs(gf.SINGLE["turbo"], weight_dtype="q" * 10_000)
     assert "weight_dtype = 'qqq" in message and "10,000 characters" in message and len(message) < 300
     assert torch.is_tensor(torch.zeros(1))
+
+
+def test_a_file_gone_since_listing_leaves_the_heads_to_the_run(models_root, monkeypatch, no_spawn):
+    def gone(kind, name):
+        raise FileNotFoundError(name)
+
+    monkeypatch.setattr(bridge, "model_path", gone)
+    assert QI21ModelLoader.validate_inputs(gf.SINGLE["turbo"], weight_dtype="default", devices="cpu,cpu,cpu",
+                                           parallel="ulysses") is True  # heads unknown here; the count is fine
+    assert "at most 16" in QI21ModelLoader.validate_inputs(gf.SINGLE["turbo"], weight_dtype="default",
+                                                           devices="cpu," * 17, parallel="ulysses")
