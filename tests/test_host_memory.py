@@ -57,6 +57,7 @@ def test_the_parameters_are_the_same_objects_so_copies_sharing_them_see_the_weig
 
     deferred = load_dit(models["dit"], "default", defer=True)
     copy = with_options(deferred, plan="stream")  # a new model object sharing the Parameters
+    assert copy.file_weights is deferred.file_weights and copy._forward_pre_hooks  # placed or run, it reads them
     deferred.file_weights.materialize(lambda param: "cpu")
     assert all(a is b for a, b in zip(deferred.parameters(), copy.parameters()))
     assert sum(held_bytes(p) for p in copy.parameters()) == sum(p.numel() * p.element_size()
