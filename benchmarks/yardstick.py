@@ -14,6 +14,7 @@ rank the options and show which are near-lossless and which move the picture.
 """
 
 import argparse
+import contextlib
 import random
 import statistics
 import tempfile
@@ -25,9 +26,11 @@ import torch
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from bench_gguf import comfy_tensors, write_gguf
 from bench_quantized import quantized_file
+from fp8_recipes import every_linear_fp8, scale_one
 from qi21.demo.toy_data import random_edit, random_scene
 from qi21.demo.toy_eval import ToyPipeline, analyse, psnr, ssim
 from qi21.demo.toy_model import write_toy_checkpoints
+from qi21.model.layers.fast_gemm import force_scaled_mm
 
 T2I, EDITS = 14, 6
 
@@ -53,6 +56,15 @@ def options(pipe: ToyPipeline, folder: Path) -> dict:
         path = folder / f"toy-{qtype}.gguf"
         found[f"GGUF {qtype}"] = (lambda path=path, q=qtype: pipe.load(write_gguf(path, tensors, q)), {})
     found["fp8 weights (loader fp8_e4m3fn)"] = (lambda: pipe.dit(weight_dtype="fp8_e4m3fn"), {})
+    # fp8_e4m3fn_fast through torch._scaled_mm (forced: a CPU otherwise dequantizes, the next row), beside core's
+    # scale-1 recipe (emulated) and the same with every Linear in fp8 (why the others stay bf16)
+    plain = pipe.root / "diffusion_models" / pipe.dit_file
+    found["fp8_e4m3fn_fast (_scaled_mm, per-row scales)"] = (lambda: pipe.dit(weight_dtype="fp8_e4m3fn_fast"),
+                                                              {"context": force_scaled_mm})
+    found["fp8_e4m3fn_fast weights computed in bf16"] = (lambda: pipe.dit(weight_dtype="fp8_e4m3fn_fast"), {})
+    found["core's fp8_e4m3fn_fast (scale 1, emulated)"] = (lambda: scale_one(pipe.load(plain, "fp8_e4m3fn")), {})
+    found["fp8_e4m3fn_fast, every Linear in fp8"] = (
+        lambda: every_linear_fp8(pipe.load(plain, "fp8_e4m3fn_fast")), {"context": force_scaled_mm})
     for kind in ("int8_convrot", "fp8", "w4a8", "nvfp4", "mxfp8"):
         path = folder / f"toy_{kind}.safetensors"
         found[f"{kind} file"] = (lambda path=path, k=kind: pipe.load(quantized_file(tensors, k, path)), {})
@@ -74,10 +86,12 @@ def main():
         references = {i: pipe.reference(source.render()) for i, (_, source, _) in enumerate(runs) if source}
 
         def images(model, extra):
+            extra = dict(extra)
             out = []
-            for i, (prompt, _, seed) in enumerate(runs):
-                refs = (references[i],) if i in references else ()
-                out.append(pipe.generate(prompt, seed, refs, steps=args.steps, model=model, **extra)[0][0])
+            with extra.pop("context", contextlib.nullcontext)():  # a test seam the option runs under
+                for i, (prompt, _, seed) in enumerate(runs):
+                    refs = (references[i],) if i in references else ()
+                    out.append(pipe.generate(prompt, seed, refs, steps=args.steps, model=model, **extra)[0][0])
             return out
 
         tick = time.perf_counter()
