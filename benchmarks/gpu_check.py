@@ -20,7 +20,9 @@ On a GPU (bf16, the released width, 1024x1024 targets, references of 1024x1024) 
   and the step's time; an issue time near the step time means the host, not the GPU, sets the pace;
 - `compiled`: the cached step eager, with compiled blocks and with compiled blocks replayed as CUDA graphs (the
   loader's `compile` option), next to diffusers': ms, the cold compile's seconds, the difference to eager
-  (benchmarks/gpu_check_compiled.py).
+  (benchmarks/gpu_check_compiled.py);
+- `fp8`: the cached step in bf16, `fp8_e4m3fn_fast` (torch._scaled_mm, per-row scales) and int8 ConvRot on each int8
+  engine (comfy-kitchen, torch._int_mm), eager and compiled, against our bf16 eager step (benchmarks/gpu_check_fp8.py).
 Each section has a time budget it is sized for (`BUDGET_S`); one that fails is reported with its error and the run goes
 on, so one call gives every result. `--sections` picks some; `--json` also writes the rows.
 
@@ -55,11 +57,12 @@ from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.model.vae.autoencoder import QwenImage21VAE, QwenImage21VAEConfig, VAETiling
 from qi21.model.vae.latents import RELEASED_LATENT_FORMAT
 
-SECTIONS = ("streaming", "bf16", "drift", "formats", "planner", "cache", "cache_quant", "e2e", "host", "compiled")
+SECTIONS = ("streaming", "bf16", "drift", "formats", "planner", "cache", "cache_quant", "e2e", "host", "compiled",
+            "fp8")
 #: seconds each section is sized for on an H200: about twice what each took there on 2026-12-04 (torch 2.11; 14, 38,
 #: 27, 44, 20, 4, -, 7, 5 and 34 s, cold compiles included; cache_quant was added after that run)
 BUDGET_S = {"streaming": 60, "bf16": 60, "drift": 60, "formats": 90, "planner": 40, "cache": 20, "cache_quant": 30,
-            "e2e": 30, "host": 20, "compiled": 60}
+            "e2e": 30, "host": 20, "compiled": 60, "fp8": 240}  # fp8: not yet run on a GPU (8 cold compiles)
 #: the dry run's model: two blocks, heads of 128 (RoPE's 16/56/56), inputs a multiple of 256 (ConvRot, Q4_K)
 DRY_DIT = DiTConfig(num_layers=2, num_heads=2, head_dim=128, context_in_dim=256, mlp_ratio=3)
 DRY_VAE = QwenImage21VAEConfig(base_dim=4, decoder_base_dim=6)
@@ -147,6 +150,12 @@ def section_compiled(check: Check) -> list[dict]:
     import gpu_check_compiled
 
     return gpu_check_compiled.run(check)
+
+
+def section_fp8(check: Check) -> list[dict]:
+    import gpu_check_fp8
+
+    return gpu_check_fp8.run(check)
 
 
 def planned_phases(check: Check, ours, cond, batch: int = 1) -> dict[str, int]:
@@ -341,7 +350,7 @@ def section_host(check: Check) -> list[dict]:
 
 RUNNERS = {"streaming": section_streaming, "bf16": section_bf16, "drift": section_drift, "formats": section_formats,
            "planner": section_planner, "cache": section_cache, "cache_quant": section_cache_quant,
-           "e2e": section_e2e, "host": section_host, "compiled": section_compiled}
+           "e2e": section_e2e, "host": section_host, "compiled": section_compiled, "fp8": section_fp8}
 
 
 def main(argv=None) -> dict:

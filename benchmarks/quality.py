@@ -28,6 +28,7 @@ and the vocabulary are demo/'s (toy_eval.py, toy_data.py), defined once.
 """
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -43,9 +44,11 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
+from fp8_recipes import every_linear_fp8, scale_one
 from qi21.demo.toy_data import random_edit, random_scene
 from qi21.demo.toy_eval import ToyPipeline, analyse, psnr, ssim
 from qi21.demo.toy_model import TOY_DIR, write_toy_checkpoints
+from qi21.model.layers.fast_gemm import force_scaled_mm
 from qi21.model.sampling.step_cache import StepCacheOptions
 from qi21.nodes import bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
@@ -99,7 +102,21 @@ VARIANTS = [
     *(_gguf(qtype) for qtype in ("Q8_0", "Q4_K", "Q2_K")),
     Variant("fp8 weights (loader fp8_e4m3fn)", lambda pipe, tensors, folder: (pipe.dit(weight_dtype="fp8_e4m3fn"), {})),
     *(_quantized_file(kind) for kind in ("int8_convrot", "fp8", "w4a8", "nvfp4", "mxfp8")),
+    # fp8_e4m3fn_fast through torch._scaled_mm (forced: a CPU otherwise dequantizes, the next row), beside core's
+    # scale-1 recipe (emulated) and the same with every Linear in fp8 (why the others stay bf16)
+    Variant("fp8_e4m3fn_fast (_scaled_mm, per-row scales)", lambda pipe, tensors, folder: (
+        pipe.dit(weight_dtype="fp8_e4m3fn_fast"), {"context": force_scaled_mm})),
+    Variant("fp8_e4m3fn_fast weights computed in bf16", lambda pipe, tensors, folder: (
+        pipe.dit(weight_dtype="fp8_e4m3fn_fast"), {})),
+    Variant("core's fp8_e4m3fn_fast (scale 1, emulated)", lambda pipe, tensors, folder: (
+        scale_one(pipe.load(_plain_file(pipe), "fp8_e4m3fn")), {})),
+    Variant("fp8_e4m3fn_fast, every Linear in fp8", lambda pipe, tensors, folder: (
+        every_linear_fp8(pipe.load(_plain_file(pipe), "fp8_e4m3fn_fast")), {"context": force_scaled_mm})),
 ]
+
+
+def _plain_file(pipe: ToyPipeline) -> Path:
+    return pipe.root / "diffusion_models" / pipe.dit_file
 
 
 def run_variants(argv=None) -> None:
@@ -117,10 +134,12 @@ def run_variants(argv=None) -> None:
         references = {i: pipe.reference(source.render()) for i, (_, source, _) in enumerate(runs) if source}
 
         def images(model, extra):
+            extra = dict(extra)
             out = []
-            for i, (prompt, _, seed) in enumerate(runs):
-                refs = (references[i],) if i in references else ()
-                out.append(pipe.generate(prompt, seed, refs, steps=args.steps, model=model, **extra)[0][0])
+            with extra.pop("context", contextlib.nullcontext)():  # a test seam the variant runs under
+                for i, (prompt, _, seed) in enumerate(runs):
+                    refs = (references[i],) if i in references else ()
+                    out.append(pipe.generate(prompt, seed, refs, steps=args.steps, model=model, **extra)[0][0])
             return out
 
         tick = time.perf_counter()

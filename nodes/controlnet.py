@@ -11,7 +11,7 @@ from .loaders import checked_path, default_dtype, file_changed_key, file_problem
 from .types import CATEGORY, VAE, ControlNet, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
-DTYPES = ["default", "bf16", "fp16", "fp32"]
+DTYPES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn_fast"]  # append only: saved graphs store the value
 MAX_STRENGTH = 10.0
 
 
@@ -36,7 +36,9 @@ class QI21ControlNetLoader(io.ComfyNode):
                                tooltip="default: the file's precision (bf16; fp32 on a CPU, as the other loaders). "
                                        "The weights are held in this dtype; the control stream computes in the "
                                        "model's (its keys and values are more layers of the model's prefix "
-                                       "cache), so bf16 halves the memory of fp32 whatever the model's dtype."),
+                                       "cache), so bf16 halves the memory of fp32 whatever the model's dtype. "
+                                       "fp8_e4m3fn_fast holds its blocks' linears in fp8 and multiplies them in fp8 "
+                                       "where the GPU can (as the model loader's option)."),
             ],
             outputs=[ControlNet.Output(display_name="control_net")],
         )

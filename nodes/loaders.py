@@ -166,9 +166,11 @@ class QI21ModelLoader(io.ComfyNode):
                 io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
                                tooltip="default keeps the file's bf16 (14.2 GB) on a GPU, fp32 on a CPU. fp8_e4m3fn "
                                        "stores the block weights in fp8 (about 7.5 GB) and computes in bf16, at a "
-                                       "small quality cost. fp32 doubles memory and is for checking only. A .gguf "
-                                       "file stays quantized: this picks its compute dtype (default = bf16; not "
-                                       "fp8_e4m3fn)."),
+                                       "small quality cost. fp8_e4m3fn_fast also multiplies in fp8 on RTX 40xx / "
+                                       "H100 and newer (per-row scales, not core's scale 1, which breaks Qwen "
+                                       "pictures); elsewhere it runs as fp8_e4m3fn. fp32 doubles memory and is for "
+                                       "checking only. A .gguf file stays quantized: this picks its compute dtype "
+                                       "(default = bf16; not fp8)."),
                 io.Combo.Input("attention", options=["auto", "sdpa", "flex"], default="auto", optional=True,
                                tooltip="Prefill attention. auto = sdpa: exact, no compilation. flex runs the "
                                        "block-causal prefill in one compiled call (CUDA); first use compiles for a "

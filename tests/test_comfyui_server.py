@@ -54,7 +54,7 @@ import qi21_comfy_harness as harness  # tests/comfyui/, on sys.path through pypr
 NODE_IDS = ["QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader", "QI21Reference", "QI21TextEncode",
             "QI21Sampler", "QI21TurboSampler", "QI21VAEDecode", "QI21Sigmas", "QI21VAEEncode", "QI21LoraLoader",
             "QI21ControlNetLoader", "QI21ControlNetApply", "QI21StepCache"]
-MODEL_DTYPES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn"]
+MODEL_DTYPES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
 REPORT_KEYS = {"prefix_tokens", "target_tokens", "batch", "steps", "cache", "cache_bytes", "cache_device",
                "prefill_seconds", "step_seconds"}
 TURBO_STEPS = 8  # the stored 8-sigma schedule
@@ -121,7 +121,8 @@ CONTRACT_OPTIONS = {
     ("QI21Sigmas", "steps"): {"default": 40},
     ("QI21Sigmas", "denoise"): {"default": 1.0},
     ("QI21LoraLoader", "strength"): {"default": 1.0, "min": -10.0, "max": 10.0},
-    ("QI21ControlNetLoader", "weight_dtype"): {"options": ["default", "bf16", "fp16", "fp32"], "default": "default"},
+    ("QI21ControlNetLoader", "weight_dtype"): {"options": ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn_fast"],
+                                               "default": "default"},
     ("QI21ControlNetApply", "strength"): {"default": 1.0, "min": -10.0, "max": 10.0},
     ("QI21ControlNetApply", "start_percent"): {"default": 0.0, "min": 0.0, "max": 1.0},
     ("QI21ControlNetApply", "end_percent"): {"default": 1.0, "min": 0.0, "max": 1.0},

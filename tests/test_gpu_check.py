@@ -44,6 +44,13 @@ def test_the_dry_run_reaches_every_path_and_every_path_matches(gpu_check, capsys
     compiled = {r["path"]: r for r in results["compiled"]["rows"]}
     assert set(compiled) == {"ours eager", "diffusers", "compiled", "compiled + CUDA graphs"}
     assert compiled["compiled"]["rel_diff"] <= 1e-5 and compiled["compiled + CUDA graphs"]["rel_diff"] <= 1e-5
+    fp8 = {(r["model"], r["mode"]): r for r in results["fp8"]["rows"]}  # fp32 on a CPU, _scaled_mm forced
+    assert len(fp8) == 8 and fp8["bf16", "compiled"]["rel_diff"] <= 1e-5
+    assert 0 < fp8["fp8_e4m3fn_fast", "eager"]["rel_diff"] < 0.05
+    for name in ("fp8_e4m3fn_fast", "int8 ConvRot, comfy-kitchen", "int8 ConvRot, torch._int_mm"):
+        assert abs(fp8[name, "compiled"]["rel_diff"] - fp8[name, "eager"]["rel_diff"]) <= 1e-5, name
+    assert abs(fp8["int8 ConvRot, torch._int_mm", "eager"]["rel_diff"]
+               - fp8["int8 ConvRot, comfy-kitchen", "eager"]["rel_diff"]) <= 1e-4
 
 
 def test_a_failing_section_is_reported_and_the_others_still_run(gpu_check, monkeypatch, capsys):

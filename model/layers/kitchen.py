@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .fast_gemm import quantize_weight
 from .formats import GEMM_MODES, format_of, gemm_mode, kitchen
-from .linear import StoredLinear, row_overlaps
+from .linear import Linear, StoredLinear, row_overlaps
 
-__all__ = ["QSegment", "QuantEmbedding", "QuantLinear", "gemm_summary", "kitchen", "set_gemm"]
+__all__ = ["QSegment", "QuantEmbedding", "QuantLinear", "fp8_rowwise_linears", "gemm_summary", "kitchen", "set_gemm"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,6 +113,35 @@ class QuantLinear(_Segmented, StoredLinear):
         layer.add_segment("float8_e4m3fn", {"weight": weight}, {"full_precision": False}, names={"weight": "weight"})
         return layer
 
+    @classmethod
+    def from_fp8_rowwise(cls, weight: torch.Tensor, scale: torch.Tensor, compute: torch.dtype) -> "QuantLinear":
+        """The DiT loader's `weight_dtype = fp8_e4m3fn_fast`: fp8 e4m3 `weight` (N, K) with one fp32 scale per output
+        channel `scale` (N, 1), multiplied by `torch._scaled_mm` where the device has fp8 GEMMs (fast_gemm.py)."""
+        layer = cls(weight.shape[1], weight.shape[0], compute)
+        layer.add_segment("float8_e4m3fn_rowwise", {"weight": weight, "weight_scale": scale}, {},
+                          names={"weight": "weight", "weight_scale": "weight_scale"})
+        return layer
+
+    def as_fp8_rowwise(self) -> "QuantLinear":
+        """This layer (of an fp8 file: e4m3 segments with per-tensor scales, or float rows) as one fp8 rowwise
+        segment: e4m3 codes and their scales used as they are (each tensor scale repeated over its rows), other rows
+        quantized per output channel."""
+        codes, scales = [], []
+        for seg in self.segments:
+            t = self._tensors(seg, 0)
+            rows = seg.end - seg.start
+            if seg.fmt == "float8_e4m3fn":
+                scale = t.get("weight_scale")
+                scale = torch.ones((), device=t["weight"].device) if scale is None else scale.reshape(())
+                codes.append(t["weight"])
+                scales.append(scale.float().expand(rows, 1))
+            else:
+                dense = format_of(seg.fmt).dequantize(t, seg.options, torch.float32)
+                code, scale = quantize_weight(dense)
+                codes.append(code)
+                scales.append(scale)
+        return QuantLinear.from_fp8_rowwise(torch.cat(codes), torch.cat(scales).contiguous(), self._logical.dtype)
+
 
 class QuantEmbedding(_Segmented):
     """A token table stored in int8 (`int8_tensorwise`, ConvRot or not) or fp8: the ids' rows are gathered first and
@@ -139,6 +169,23 @@ class QuantEmbedding(_Segmented):
             return fmt.embed(self._tensors(seg, 0, seg.end), seg.options, ids, dtype)
         rows = fmt.dequantize(self._tensors(seg, 0, None, index=ids.reshape(-1)), seg.options, dtype)
         return rows.view(*ids.shape, self.embedding_dim)
+
+
+def fp8_rowwise_linears(model: nn.Module, keep) -> int:
+    """Replace, in place, each dense `Linear` of `model` whose weight's name `keep(name)` accepts by an fp8 rowwise
+    `QuantLinear` (per-channel scales from its weight; computes in the weight's dtype). For weights already in memory:
+    the control net, and the measurements that put other layers in fp8; the DiT loader quantizes while it reads.
+    Returns how many were replaced."""
+    chosen = [(name, module) for name, module in model.named_modules()
+              if isinstance(module, Linear) and not isinstance(module, StoredLinear)
+              and keep(f"{name}.weight")]
+    for name, module in chosen:
+        codes, scale = quantize_weight(module.weight.detach())
+        parent, _, leaf = name.rpartition(".")
+        layer = QuantLinear.from_fp8_rowwise(codes, scale, module.weight.dtype)
+        layer.adapters = module.adapters
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+    return len(chosen)
 
 
 def set_gemm(model: nn.Module, setting: str) -> None:

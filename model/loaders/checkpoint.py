@@ -48,8 +48,10 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 
 # The weight_dtype names of all three loaders ("default" = the file's own float type) and their torch dtypes.
-WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp32", "fp8_e4m3fn")
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3fn": torch.float8_e4m3fn}
+# fp8_e4m3fn_fast (DiT and control net only) stores like fp8_e4m3fn and also multiplies in fp8 (layers/fast_gemm.py).
+WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e4m3fn_fast")
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3fn": torch.float8_e4m3fn,
+                "fp8_e4m3fn_fast": torch.float8_e4m3fn}
 # Stored dtypes a model computes in, and the fp8 ones a loader may accept where it says so.
 FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 FP8_FILE_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}

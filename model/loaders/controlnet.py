@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..layers.kitchen import fp8_rowwise_linears
 from ..transformer.controlnet import CONTROL_IN_DIM, ControlNetConfig, ControlPatch, FunControlNet
 from .checkpoint import (
     FILE_DTYPES,
@@ -28,6 +29,7 @@ from .checkpoint import (
     quantization_marker,
     read_weight_headers,
 )
+from .dit import FP8_FAST, FP8_PARAMS
 from .lora import clone_tree
 
 DETECT_KEYS = ("control_img_in.weight", "control_blocks.0.img_mlp.out.weight")  # what ComfyUI's loader tests
@@ -141,7 +143,12 @@ def load_controlnet(path, weight_dtype: str = "default", device="cpu") -> FunCon
     plan = controlnet_plan(config, fused)
     _check_shapes(plan, logical, config, where)
     check_dtypes(logical, {key: tuple(FILE_DTYPES) for keys in plan.values() for key in keys}, where, "control net")
-    compute = choose_dtype(weight_dtype, logical["control_img_in.weight"].dtype, FLOAT_DTYPES, "control net")
+    fast = weight_dtype == FP8_FAST  # its blocks' linears in fp8 rowwise, as the DiT's (loaders/dit.py)
+    if fast and quant is not None:
+        raise ValueError(f"{where} is already quantized; weight_dtype {FP8_FAST} applies to the bf16 file only. Use "
+                         "default, bf16, fp16 or fp32.")
+    compute = choose_dtype("bf16" if fast else weight_dtype, logical["control_img_in.weight"].dtype, FLOAT_DTYPES,
+                           "control net")
     device = torch.device(device)
     with torch.device("meta"):
         net = FunControlNet(config, dtype=compute)
@@ -162,6 +169,8 @@ def load_controlnet(path, weight_dtype: str = "default", device="cpu") -> FunCon
                     row += part.shape[0]
                     del part
                 setattr(module, attr, torch.nn.Parameter(target, requires_grad=False))
+        if fast:
+            fp8_rowwise_linears(net, FP8_PARAMS.fullmatch)
     except BaseException:
         del net  # nothing half-loaded stays alive, also on KeyboardInterrupt
         raise

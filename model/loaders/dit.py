@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..layers.fast_gemm import quantize_weight
 from ..layers.formats import GEMM_MODES
 from ..layers.kitchen import QuantLinear, set_gemm
 from ..transformer.dit import DiTConfig, QwenImage21DiT
@@ -51,6 +52,12 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # shared modulation table and the output head stay in bf16, as they steer every token. The same weights may
 # already be fp8 in a file (plain fp8 releases, without scales); anything else must be a float type.
 FP8_PARAMS = re.compile(r"blocks\.\d+\.(qkv|to_out|gate_up|down)\.weight")
+# fp8_e4m3fn_fast also multiplies the FP8_PARAMS layers in fp8 (layers/fast_gemm.py); the layers above stay in bf16
+# for the same reason, and fp8 GEMMs would buy nothing there (one row per sample for the modulation; docs/
+# measurements.md has the toy with every Linear in fp8). It applies to float files and to fp8 files (their codes and
+# scales used as they are), not to the other quantized formats.
+FP8_FAST = "fp8_e4m3fn_fast"
+FP8_FILE_FORMATS = {"float8_e4m3fn", "float8_e5m2"}
 DIFFUSERS_FOLDER = ("a diffusers Qwen-Image-2.1 folder (transformer/config.json + "
                     "diffusion_pytorch_model*.safetensors)")
 # What to load when a quantized file cannot run here.
@@ -132,7 +139,9 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     """Load a Qwen-Image 2.1 DiT file or diffusers folder; `model.source` says what was loaded.
 
     `weight_dtype`: "default" (the file's float type), "bf16", "fp16", "fp32", "fp8_e4m3fn" (block weights
-    stored in fp8, computed in bf16) or a torch dtype. A GGUF file goes to `gguf.load_gguf_dit`.
+    stored in fp8, computed in bf16), "fp8_e4m3fn_fast" (block weights in fp8 with per-channel scales, multiplied
+    in fp8 with per-row activation scales where the GPU has fp8 GEMMs, else as fp8_e4m3fn)
+    or a torch dtype. A GGUF file goes to `gguf.load_gguf_dit`.
     `quantized_gemm` ("auto", "kernel", "dequantize"): how a quantized file's layers multiply (layers/formats.py
     `gemm_mode`; "auto": int8 kernels on CUDA, dequantized per layer on a CPU or MPS); `layers.kitchen.set_gemm`
     changes it later.
@@ -172,9 +181,11 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
 
     stored = choose_dtype(weight_dtype, tensors["img_in.weight"].dtype, DTYPES, "DiT")
     fp8 = stored == torch.float8_e4m3fn
-    if fp8 and quant is not None:
-        raise ValueError(f"{where} is already quantized ({', '.join(quant.formats)}); weight_dtype fp8_e4m3fn does "
-                         "not apply to it. Use default, bf16, fp16 or fp32 (the compute dtype of its other layers).")
+    fast = weight_dtype == FP8_FAST
+    if fp8 and quant is not None and not (fast and set(quant.formats) <= FP8_FILE_FORMATS):
+        raise ValueError(f"{where} is already quantized ({', '.join(quant.formats)}); weight_dtype {weight_dtype} "
+                         "does not apply to it (fp8_e4m3fn_fast does to an fp8 file). Use default, bf16, fp16 or fp32 "
+                         "(the compute dtype of its other layers).")
     compute = torch.bfloat16 if fp8 else stored
     backend = "sdpa" if attention == "auto" else attention
     with torch.device("meta"):
@@ -185,7 +196,8 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
             model.register_forward_pre_hook(materialize_on_input(model.file_weights), with_kwargs=True)
         else:
             with WeightReader(raw) as reader:
-                _fill(model, plan, file_keys, reader, compute, fp8, torch.device(device), quant)
+                _fill(model, plan, file_keys, reader, compute, fp8 and quant is None, torch.device(device), quant,
+                      fast)
     except BaseException:
         del model  # nothing half-loaded stays alive, also on KeyboardInterrupt
         raise
@@ -207,6 +219,22 @@ def _copy_parts(target: torch.Tensor, keys, read) -> None:
         del part
 
 
+def _quantize_parts(target: torch.Tensor, scale: torch.Tensor, keys, read, device) -> None:
+    """`target` (fp8) filled from the file tensors `keys` quantized per output channel, their scales into `scale`;
+    an fp8 file's own codes are copied with scale 1."""
+    row = 0
+    for key in keys:
+        part = read(key)
+        if part.dtype != torch.float8_e4m3fn:
+            part, part_scale = quantize_weight(part.to(device))
+            scale[row : row + part.shape[0]] = part_scale
+        else:
+            part = part.float().clamp_(-FP8_MAX, FP8_MAX)
+        target[row : row + part.shape[0]].copy_(part)
+        row += part.shape[0]
+        del part
+
+
 def _deferred(model, plan, file_keys: dict[str, str], raw, compute, where: str) -> FileWeights:
     """Every planned parameter a placeholder on the file, and how to read it (deferred.py)."""
     entries = []
@@ -221,25 +249,41 @@ def _deferred(model, plan, file_keys: dict[str, str], raw, compute, where: str) 
 
 
 def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute, fp8: bool, device,
-          quant=None) -> None:
+          quant=None, fast: bool = False) -> None:
     """Each parameter built in memory of its own and filled part by part (the file's views are only copied from).
 
     A quantized file's layers become `kitchen.QuantLinear`s (one segment per file tensor, kept in the file's
     formats). fp8_e4m3fn on a float file makes the same fp8 `QuantLinear` as an fp8 file's layers (without a
-    scale; plain torch, comfy-kitchen not needed)."""
+    scale; plain torch, comfy-kitchen not needed). `fast` (fp8_e4m3fn_fast) makes the block linears fp8 rowwise
+    layers instead: a float file's rows quantized per output channel part by part (each part is whole rows), an fp8
+    file's codes and scales kept."""
     if quant is not None:
         quant.check_targets(model, plan)  # before any weight is read
     for name, keys in plan.items():
         if quant is not None and quant.fill_linear(model, name, keys, lambda key: reader.read(file_keys[key]),
                                                    compute, device):
+            if fast and FP8_PARAMS.fullmatch(name):
+                _replace_linear(model, name, model.get_submodule(name.rpartition(".")[0]).as_fp8_rowwise())
             continue
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        dtype = torch.float8_e4m3fn if fp8 and FP8_PARAMS.fullmatch(name) else compute
+        dtype = torch.float8_e4m3fn if (fp8 or fast) and FP8_PARAMS.fullmatch(name) else compute
         target = torch.empty(getattr(module, attr).shape, dtype=dtype, device=device)
-        _copy_parts(target, keys, lambda key: reader.read(file_keys[key]))
-        if dtype == torch.float8_e4m3fn:
-            parent, _, leaf = module_name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, QuantLinear.from_fp8(target, compute))
+        scale = torch.ones(target.shape[0], 1, device=device) if fast and dtype != compute else None
+        read = lambda key: reader.read(file_keys[key])  # noqa: E731
+        if scale is None:
+            _copy_parts(target, keys, read)
+        else:
+            _quantize_parts(target, scale, keys, read, device)
+        if scale is not None:
+            _replace_linear(model, name, QuantLinear.from_fp8_rowwise(target, scale, compute))
+        elif dtype == torch.float8_e4m3fn:
+            _replace_linear(model, name, QuantLinear.from_fp8(target, compute))
         else:
             setattr(module, attr, torch.nn.Parameter(target, requires_grad=False))
+
+
+def _replace_linear(model, name: str, layer) -> None:
+    """Put `layer` where the Linear owning parameter `name` is."""
+    parent, _, leaf = name.rpartition(".")[0].rpartition(".")
+    setattr(model.get_submodule(parent), leaf, layer)
