@@ -337,7 +337,7 @@ def check_report(report: dict, sampler: dict) -> None:
     # ceiling and what it evicted
     optional = {"notes", "loras", "plan", "peak_bytes", "sampler", "model_calls", "prefix_rows_reused",
                 "prefix_rows_computed", "prefix_key", "control", "cache_dtype", "kept_bytes", "kept_limit_bytes",
-                "kept_evictions"}
+                "kept_evictions", "crop"}
     unexpected = set(report) - REPORT_KEYS - optional
     assert not unexpected, f"unexpected qi21_report keys: {unexpected}"
     assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
