@@ -9,7 +9,7 @@ from ..model.encoders.pipeline import (
     encode_prepared,
     encode_prompt,
 )
-from ..model.encoders.references import prepare_reference
+from ..model.encoders.references import FITS, prepare_reference
 from . import bridge, placement
 from .bridge import io
 from .types import CATEGORY, VAE, Conditioning, References, TextEncoder
@@ -41,14 +41,23 @@ class QI21Reference(io.ComfyNode):
                 References.Input("references", optional=True,
                                  tooltip="References from a previous Qwen-Image 2.1 Reference node; this one is added "
                                          f"after them (at most {MAX_REFERENCES})."),
+                io.Combo.Input("fit", options=list(FITS), default="resize", optional=True,
+                               tooltip="How the image reaches sides that are multiples of 32. resize (the reference "
+                                       "pipeline's, default) resamples it to about resolution x resolution, so an "
+                                       "edit comes out slightly scaled. pad keeps its own pixels and repeats its "
+                                       "right and bottom edges to the next multiple of 32 (at least 256x256); it is "
+                                       "scaled down only when larger than resolution x resolution (0: never). A "
+                                       "sampler with width and height 0 then generates the padded size and VAE "
+                                       "Decode crops back to the image's own, so the edit lays over its input "
+                                       "pixel for pixel."),
             ],
             outputs=[References.Output(display_name="references")],
         )
 
     @classmethod
-    def execute(cls, vae, image, resolution, mask=None, references=None, **unknown) -> io.NodeOutput:
+    def execute(cls, vae, image, resolution, mask=None, references=None, fit="resize", **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
-        require(widget_problem(cls, resolution=resolution))  # ComfyUI checks it only when it is not linked
+        require(widget_problem(cls, resolution=resolution, fit=fit))  # ComfyUI checks it only when it is not linked
         check_room_for_reference(references)  # before any work
         if image is None or image.numel() == 0 or min(image.shape[-3:-1]) == 0:
             raise ValueError(f"the image given to Qwen-Image 2.1 Reference is empty (shape {tuple(image.shape)}).")
@@ -56,7 +65,9 @@ class QI21Reference(io.ComfyNode):
             bridge.log.warning("qi21 Reference: a batch of %d images was given; only the first is used (chain one "
                                "Reference node per image).", image.shape[0])
         # resize and size checks first: a refused image must not make ComfyUI unload models to move the VAE
-        prepared = prepare_reference(image, mask, resolution)
+        prepared = prepare_reference(image, mask, resolution, fit=fit)
+        if prepared.crop is not None:
+            bridge.log.info("qi21 Reference: %dx%d kept, padded to %dx%d", *prepared.crop, *prepared.size)
         with placement.on_device(vae):
             reference = encode_prepared(vae, prepared)
         return io.NodeOutput(chain_references(references, reference))

@@ -2,7 +2,7 @@
 (model/loaders/controlnet.py). Like the LoRA node, applying returns a model copy that shares every weight; the
 samplers then run the control on the steps of its window and keep the prefix cache on (docs/controlnet.md)."""
 
-from ..model.encoders.control import control_latents
+from ..model.encoders.control import FITS, control_latents
 from ..model.loaders.controlnet import apply_controlnet, load_controlnet
 from ..model.options import with_options
 from . import bridge, placement
@@ -98,6 +98,11 @@ class QI21ControlNetApply(io.ComfyNode):
                                tooltip="The image to inpaint; used only with a mask."),
                 io.Mask.Input("mask", optional=True,
                               tooltip="1 marks the region to regenerate (white = repaint)."),
+                io.Combo.Input("fit", options=list(FITS), default="stretch", optional=True,
+                               tooltip="stretch (core's, default) resizes the images and mask to the output size. pad "
+                                       "keeps them at their own size at the top-left corner and repeats their right "
+                                       "and bottom edges, as a Reference with fit = pad does: use it with a padded "
+                                       "edit so the control lines up with the picture pixel for pixel."),
             ],
             outputs=[Model.Output(display_name="model")],
         )
@@ -114,9 +119,9 @@ class QI21ControlNetApply(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, control_net, vae, strength=1.0, start_percent=0.0, end_percent=1.0, control_image=None,
-                inpaint_image=None, mask=None, **unknown) -> io.NodeOutput:
+                inpaint_image=None, mask=None, fit="stretch", **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
-        require(cls.validate_inputs(start_percent=start_percent, end_percent=end_percent, strength=strength))
+        require(cls.validate_inputs(start_percent=start_percent, end_percent=end_percent, strength=strength, fit=fit))
         given = {"control_image": control_image, "inpaint_image": inpaint_image, "mask": mask}
         inputs = tuple(name for name, value in given.items() if value is not None)
         if control_image is None and mask is None:
@@ -128,7 +133,7 @@ class QI21ControlNetApply(io.ComfyNode):
 
         def hint_for(grid):
             with placement.on_device(vae):
-                return control_latents(vae, grid, control_image, inpaint_image, mask)
+                return control_latents(vae, grid, control_image, inpaint_image, mask, fit=fit)
 
         def build(whole):
             return apply_controlnet(whole, control_net, hint_for, strength, start_percent, end_percent, inputs=inputs)

@@ -2,7 +2,9 @@
 
 import torch
 
+from ..model.encoders.canvas import CROP_KEY, check_box, crop_images
 from ..model.encoders.pipeline import decode_images
+from ..model.vae.latents import LATENT_TOKEN_PIXELS
 from . import placement
 from .bridge import io
 from .types import CATEGORY, VAE
@@ -22,7 +24,8 @@ class QI21VAEDecode(io.ComfyNode):
             category=CATEGORY,
             description="Decodes the 64-channel RGBA latents. IMAGE (RGB) and MASK (1 = transparent, ComfyUI's "
                         "convention) plug into core nodes; the 4-channel IMAGE saves as a transparent PNG with "
-                        "SaveImage.",
+                        "SaveImage. A LATENT made from a padded picture (fit = pad on the Reference or VAE Encode) "
+                        "is cropped back to the picture's own size.",
             inputs=[
                 VAE.Input("vae"),
                 io.Latent.Input("samples"),
@@ -47,9 +50,15 @@ class QI21VAEDecode(io.ComfyNode):
         if not bool(torch.isfinite(latents).all()):  # would decode to a black image without a word
             raise ValueError("QI21VAEDecode: the latents hold NaN/inf values; the node that made them failed (with "
                              "fp16 weights, try bf16 or fp32).")
+        box = samples.get(CROP_KEY)  # set by the samplers / VAE Encode for a picture padded with fit = pad
+        if box is not None:
+            canvas = (latents.shape[-1] * LATENT_TOKEN_PIXELS, latents.shape[-2] * LATENT_TOKEN_PIXELS)
+            box = check_box(box, canvas, f"samples' {CROP_KEY}")
         use_tiles, activations = TILED[tiled], 0
         if use_tiles is None:  # auto: one pass when the planner says it fits (the reference's result exactly)
             use_tiles, activations = placement.decode_tiled(vae, latents)
         with placement.on_device(vae, memory_required=activations):
             rgb, mask, rgba = decode_images(vae, latents, tiled=use_tiles)
+        if box is not None:
+            rgb, mask, rgba = (crop_images(images, box) for images in (rgb, mask, rgba))
         return io.NodeOutput(rgb, mask, rgba)

@@ -4,6 +4,7 @@ import json
 
 import torch
 
+from ..model.encoders.canvas import CROP_KEY, check_box, mask_on_canvas, padded_target
 from ..model.layers.kitchen import gemm_summary
 from ..model.options import options_of
 from ..model.sampling.img2img import (
@@ -35,8 +36,10 @@ MIN_SIZE, MAX_SIZE = 32, 4096  # the reference pipeline runs any multiple of 32
 TRAINED_MIN_SIZE = 256  # below this the report notes that the model was trained at larger sizes
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
-SIZE_TOOLTIP = ("0 follows the last reference's size (the reference pipeline's default), or 1024 without references. "
-                "Other values are floored to a multiple of 32, as the reference pipeline does.")
+SIZE_TOOLTIP = ("0 follows the last reference's size (the reference pipeline's default), or 1024 without references; "
+                "with a reference whose fit is pad, the first such reference's padded size, and the output keeps "
+                "its box so VAE Decode crops back to the image's own size. Other values are floored to a multiple "
+                "of 32, as the reference pipeline does.")
 PREFIX_CACHE_TOOLTIP = ("on: the first step computes the prompt and references once and caches their keys/values "
                         "(0.5 MiB per prefix token in bf16); later steps run only the image. Exact, and faster the "
                         "more references you use. off recomputes the prefix every step: slower, the way to rule the "
@@ -119,11 +122,16 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     notes = []
     denoise = 1.0 if denoise is None else float(denoise)
     check_denoise(denoise)
-    raw = mask = None
+    raw = mask = box = None
     if latent_image is not None:
         raw, mask, width, height, batch_size = _start_image(latent_image, width, height, batch_size)
+        if latent_image.get(CROP_KEY) is not None:  # from VAE Encode with fit = pad
+            box = check_box(latent_image[CROP_KEY], (width, height), f"latent_image's {CROP_KEY}")
     else:
         wanted = target_size(width, height, positive.ref_shapes[-1] if positive.ref_shapes else None)
+        padded = padded_target(positive.ref_shapes, positive.ref_crops, width, height)  # a reference with fit = pad
+        if padded is not None:
+            wanted, box = padded
         width, height = sampling_size(*wanted)
         if (width, height) != tuple(wanted):
             notes.append(f"size {wanted[0]}x{wanted[1]} floored to {width}x{height} (multiples of 32)")
@@ -186,6 +194,8 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     noise = initial_noise(seed, batch_size, height, width)
     grid = latent_shape(width, height)
     start = None if raw is None else positive.latent_format.normalize(raw)
+    if mask is not None and box is not None:  # a mask drawn on the picture is padded like the picture
+        mask = mask_on_canvas(mask, box, (width, height))
     noise_mask = None if mask is None else latent_mask(mask, grid, batch_size)
     # -- memory plan (nodes/placement.py): load as planned, stream blocks / cache if planned, report plan and peak --
     if split:
@@ -203,6 +213,8 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     report = dict(result.report)
     if sampler_name is not None:
         report["sampler"] = sampler_name
+    if box is not None:  # VAE Decode cuts the picture's own pixels out of the padded canvas
+        report["crop"] = {"box": [0, 0, *box], "canvas": [width, height]}
     store_notes = []
     if job is not None:
         report.update(job.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
@@ -220,6 +232,8 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     observability.record_run(report)
     out = {key: latent_image[key] for key in ("noise_mask", "batch_index") if key in (latent_image or {})}
     out["samples"] = positive.latent_format.denormalize(result.latents.float()).cpu()
+    if box is not None:
+        out[CROP_KEY] = box
     return io.NodeOutput(out, ui={"qi21_report": [report]})
 
 

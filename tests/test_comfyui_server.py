@@ -338,7 +338,7 @@ def check_report(report: dict, sampler: dict) -> None:
     # ceiling and what it evicted
     optional = {"notes", "loras", "plan", "peak_bytes", "sampler", "model_calls", "prefix_rows_reused",
                 "prefix_rows_computed", "prefix_key", "control", "cache_dtype", "kept_bytes", "kept_limit_bytes",
-                "kept_evictions"}
+                "kept_evictions", "crop"}
     unexpected = set(report) - REPORT_KEYS - optional
     assert not unexpected, f"unexpected qi21_report keys: {unexpected}"
     assert "notes" not in report, f"an example workflow should run without warnings: {report['notes']}"
@@ -403,7 +403,8 @@ def test_api_workflow_runs_to_completion(comfyui_server, path):
                 if sampler.get("width") and sampler.get("height"):
                     assert png.size == (sampler["width"], sampler["height"])
                 report = outputs[sampler_id]["qi21_report"][0]
-                assert report["target_tokens"] == (png.size[0] // 16) * (png.size[1] // 16)
+                canvas = report["crop"]["canvas"] if "crop" in report else png.size  # cropped back by VAE Decode
+                assert report["target_tokens"] == (canvas[0] // 16) * (canvas[1] // 16)
 
 
 def _turbo_prompt():
@@ -545,6 +546,33 @@ def test_changing_only_the_words_of_an_edit_reuses_the_references(comfyui_server
     comfyui_server.free(unload_models=True, free_memory=True)
     assert off["cache"] == "off"
     assert (reused.float() - fresh.float()).abs().max().item() <= 5e-4
+
+
+def test_the_pixel_aligned_edit_comes_out_at_the_input_s_size(comfyui_server):
+    """workflows/api/edit_pixel_aligned.json on a 270x262 picture (sides not multiples of 32): the Reference pads
+    it to 288x288, the sampler follows with width/height 0, and the saved PNG is 270x262 again, its box in the
+    report."""
+    import numpy as np
+    from PIL import Image
+
+    path = next((p for p in API_FILES if p.stem == "edit_pixel_aligned"), None)
+    if path is None:
+        pytest.skip("no edit_pixel_aligned API workflow")
+    prompt = harness.shrink_prompt(json.loads(path.read_text()))[0]
+    name = "qi21_pad_270x262.png"
+    pixels = np.random.default_rng(59).integers(0, 256, (262, 270, 3), dtype=np.uint8)
+    Image.fromarray(pixels, "RGB").save(comfyui_server.base / "input" / name)
+    for node in prompt.values():
+        if node["class_type"] == "LoadImage":
+            node["inputs"]["image"] = name
+    entry = comfyui_server.run_prompt(prompt)
+    assert entry["status"]["status_str"] == "success", _failure(comfyui_server, entry)
+    (sampler_id,) = [i for i, node in prompt.items() if node["class_type"] in harness.SAMPLERS]
+    report = entry["outputs"][sampler_id]["qi21_report"][0]
+    assert report["crop"] == {"box": [0, 0, 270, 262], "canvas": [288, 288]} and report["target_tokens"] == 18 * 18
+    (save_id,) = [i for i, node in prompt.items() if node["class_type"] == "SaveImage"]
+    (image,) = entry["outputs"][save_id]["images"]
+    assert Image.open(_io.BytesIO(comfyui_server.view(image))).size == (270, 262)
 
 
 def _base_prompt():

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from qi21.model.encoders.references import reference_size
+from qi21.model.encoders.canvas import fit_inside, padded_size
+from qi21.model.encoders.references import MIN_VLM_PIXELS, reference_size
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "web"
@@ -115,6 +116,21 @@ def test_reference_size_matches_python_exactly(sandbox):
     assert reference_size(100, 100, 80) == (64, 64)
     assert call(sandbox, ("referenceSize", [100, 100, 80]), ("roundHalfEven", [2.5]), ("roundHalfEven", [3.5]),
                 ("roundHalfEven", [2.4999])) == [[64, 64], 2, 4, 2]
+
+
+def test_padded_reference_size_matches_python_exactly(sandbox):
+    """fit = pad: the canvas the Reference pads to (model/encoders/references.py `_padded_reference`)."""
+    grid = [(w, h, r) for w in SIDES for h in SIDES for r in RESOLUTIONS if w * h <= 4096 * 4096]
+    got = call(sandbox, *[("paddedReferenceSize", list(args)) for args in grid])
+
+    def python(w, h, r):
+        own = fit_inside(w, h, r * r) if r else (w, h)
+        return padded_size(*own, min_pixels=MIN_VLM_PIXELS)
+
+    mismatches = [(args, tuple(js), python(*args)) for args, js in zip(grid, got) if tuple(js) != python(*args)]
+    assert not mismatches, f"{len(mismatches)} of {len(grid)} differ, e.g. {mismatches[:5]}"
+    assert call(sandbox, ("paddedReferenceSize", [270, 262, 0]), ("paddedReferenceSize", [100, 90, 0])) == [
+        [288, 288], [256, 256]]
 
 
 def test_reference_size_rejects_what_python_rejects(sandbox):

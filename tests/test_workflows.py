@@ -407,7 +407,7 @@ def source_of(workflow: dict, node: dict, input_name: str) -> tuple[dict, int] |
 def test_the_examples_come_in_both_forms_in_their_folders():
     """UI files at the top of workflows/ (the folder ComfyUI's template browser lists: `<pack>/workflows/*.json`),
     API files in workflows/api/ (not listed: an API prompt would not load as a workflow)."""
-    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 17
+    assert NAMES == sorted(builder.WORKFLOWS) and len(NAMES) == 18
     assert [p.stem for p in API_FILES] == NAMES
     assert all("nodes" in read(p) and "links" in read(p) for p in UI_FILES)
     assert all(all("class_type" in node for node in read(p).values()) for p in API_FILES)
@@ -466,7 +466,7 @@ def test_prompts_name_only_references_in_their_chain(name):
 
 
 def test_the_edit_examples_follow_their_references():
-    for name, count in (("edit_one_reference", 1), ("edit_three_references", 3)):
+    for name, count in (("edit_one_reference", 1), ("edit_three_references", 3), ("edit_pixel_aligned", 1)):
         workflow = ui(name)
         sampler = nodes_of(workflow, "QI21Sampler")[0]
         assert _chain_length(workflow, source_of(workflow, sampler, "positive")[0]) == count

@@ -60,6 +60,31 @@ export function referenceSize(w, h, resolution) {
   return [roundHalfEven(newWidth / SIZE_STEP) * SIZE_STEP, roundHalfEven(newHeight / SIZE_STEP) * SIZE_STEP];
 }
 
+/** The vision processor's minimum pixels: a padded reference's canvas is grown to at least this. */
+export const MIN_VLM_PIXELS = 65536;
+
+/**
+ * [width, height] of the canvas a `w x h` image is padded to with the Reference's fit = pad: scaled down (aspect
+ * kept, sides floored) only above resolution^2 pixels (0: never), then each side rounded up to x32 and the shorter
+ * side grown by 32 until the area reaches MIN_VLM_PIXELS. The same operations as `_padded_reference` in
+ * model/encoders/references.py (`canvas.fit_inside`, `canvas.padded_size`).
+ */
+export function paddedReferenceSize(w, h, resolution) {
+  if (!(resolution >= 0)) throw new RangeError(`resolution must be 0 or positive, got ${resolution}`);
+  if (!(w > 0 && h > 0)) throw new RangeError(`a reference image needs a positive size, got ${w}x${h}`);
+  if (resolution > 0 && w * h > resolution * resolution) {
+    const scale = Math.sqrt((resolution * resolution) / (w * h));
+    [w, h] = [Math.max(1, Math.floor(w * scale)), Math.max(1, Math.floor(h * scale))];
+  }
+  let width = Math.ceil(w / SIZE_STEP) * SIZE_STEP;
+  let height = Math.ceil(h / SIZE_STEP) * SIZE_STEP;
+  while (width * height < MIN_VLM_PIXELS) {
+    if (width <= height) width += SIZE_STEP;
+    else height += SIZE_STEP;
+  }
+  return [width, height];
+}
+
 /** Latent tokens of an already resized (x32) reference: one per 16 x 16 pixels. */
 export function latentTokens(width, height) {
   return Math.floor(height / LATENT_TOKEN_PIXELS) * Math.floor(width / LATENT_TOKEN_PIXELS);
@@ -148,7 +173,7 @@ export function formatBytes(bytes) {
 /**
  * The whole estimate for one sampler.
  * `prompts`: one entry per prefix the sampler builds (positive, plus negative under true CFG), each
- * `{ promptChars, references: [{ width, height, resolution }] }` where width/height are the SOURCE image size
+ * `{ promptChars, references: [{ width, height, resolution, fit }] }` where width/height are the SOURCE image size
  * (null when unknown: a square at `resolution`, or 1024 for resolution 0, is assumed).
  * Returns { tokens, bytes, perPrompt: [tokens...], assumed: number of references of unknown size }.
  */
@@ -165,7 +190,8 @@ export function estimatePrefix(prompts, model = FULL_MODEL, dtype = "default") {
         assumed += 1;
         width = height = resolution || DEFAULT_RESOLUTION;
       }
-      sizes.push(referenceSize(width, height, resolution));
+      sizes.push(ref.fit === "pad" ? paddedReferenceSize(width, height, resolution)
+        : referenceSize(width, height, resolution));
     }
     const count = prefixTokens(prompt.promptChars || 0, sizes);
     perPrompt.push(count);

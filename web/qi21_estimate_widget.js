@@ -49,6 +49,7 @@ function referenceChain(node) {
       const size = imageSize(sourceNode(current, "image"));
       references.unshift({
         resolution: numberOf(widgetValue(current, "resolution"), 1024),
+        fit: widgetValue(current, "fit") ?? "resize",
         width: size?.width ?? null,
         height: size?.height ?? null,
       });

@@ -101,6 +101,24 @@ Replace `example.png` with your own image.
 """, (0, 660), (380, 300))
 
 
+def edit_pixel_aligned(g: Graph) -> None:
+    model, encoder, vae = add_loaders(g, BASE_MODEL)
+    _, reference = add_reference(g, vae, "example.png", 1, (420, 660), resolution=0, fit="pad")
+    positive = add_prompt(g, encoder, "Make the car in <image1> red; keep everything else unchanged.",
+                          references=reference)
+    sampler = add_sampler(g, "QI21Sampler", model, positive, steps=40, cfg=1.0, width=0, height=0)
+    add_save(g, add_decode(g, vae, sampler), "IMAGE", "qwen-image-2.1/edit_pixel_aligned")
+    g.note("""
+## Qwen-Image 2.1: an edit that lays over its input
+
+*Reference* with `fit` **pad** keeps the image's own pixels: it repeats the right and bottom edges to the next
+multiple of 32 instead of resampling (`resolution` 0: never scaled). Width and height 0 generate that padded
+size, and *VAE Decode* crops back to the image's own box: the output has exactly the input's width, height and
+pixel grid, so it can be composited onto the original. The sampler's report shows the box (`crop`).
+*VAE Encode* and *Apply Fun ControlNet* have the same `fit` choice. Replace `example.png` with your own image.
+""", (0, 660), (380, 320))
+
+
 def edit_three_references(g: Graph) -> None:
     model, encoder, vae = add_loaders(g, BASE_MODEL)
     _, first = add_reference(g, vae, "example_1.png", 1, (420, 660))
@@ -302,6 +320,7 @@ WORKFLOWS = {
     "text_to_image_turbo": text_to_image_turbo,
     "edit_one_reference": edit_one_reference,
     "edit_three_references": edit_three_references,
+    "edit_pixel_aligned": edit_pixel_aligned,
     "transparent_rgba_png": transparent_rgba_png,
     "base_speed_lora": base_speed_lora,
     "base_turbo_lora": base_turbo_lora,

@@ -25,6 +25,9 @@ class Conditioning:
         image_slots: `(L,)` bool, True at the `<|image_pad|>` positions (each stands for 2x2 latent tokens).
         references: `(sum h*w, 64)` packed, normalised reference latents (row-major per reference), or None.
         ref_shapes: latent `(h, w)` of each reference, in prompt order.
+        ref_crops: per reference, the box `(width, height)` of its own pixels in a padded reference
+            (`fit = "pad"`), or None for a resized one; empty when unknown. Not part of the fingerprint: the
+            box changes what is cut from the output, not a key or value of the prefix.
         latent_format: the VAE statistics the references were normalised with; the sampler turns its output
             back into raw latents with the same (the released ones when there are no references).
         lead_key: a hash of what the user gave for the prompt's leading run (the token ids up to the last
@@ -36,6 +39,7 @@ class Conditioning:
     image_slots: torch.Tensor
     references: torch.Tensor | None = None
     ref_shapes: tuple[tuple[int, int], ...] = ()
+    ref_crops: tuple[tuple[int, int] | None, ...] = ()
     latent_format: LatentFormat = RELEASED_LATENT_FORMAT
     lead_key: str | None = None
     _memo: dict = field(default_factory=dict, repr=False)

@@ -8,13 +8,22 @@ ComfyUI core's semantics (docs/controlnet.md), built at the target's pixel size 
 - inpaint: the inpaint image with the regenerated pixels set to mid-grey (the VAE's zero), encoded and normalised;
   zeros without an inpaint image, and also without a mask (core ignores the image then).
 Only the first image of each batch is used; images are cut to RGB (the VAE gets an opaque alpha).
+
+`fit = "pad"` (docs/pad-and-crop.md) puts each image and the mask at the target's top-left corner at its own size
+and repeats its right and bottom edges, as a padded reference is: a control map of the picture an edit pads then
+lines up with it pixel for pixel. Only an image larger than the target is scaled down (aspect kept) first.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from ..vae.autoencoder import QwenImage21VAE
 from ..vae.latents import LATENT_TOKEN_PIXELS
+from .canvas import pad_images
+
+FITS = ("stretch", "pad")
 
 CONTROL_CHANNELS = 64
 
@@ -49,28 +58,41 @@ def _encode(vae: QwenImage21VAE, pixels: torch.Tensor) -> torch.Tensor:
     return vae.latent_format.normalize(raw)
 
 
+def _on_target(pixels: torch.Tensor, size: tuple[int, int], fit: str, mode: str) -> torch.Tensor:
+    """`(1, C, H, W)` onto the target's `size` = (height, width): stretched, or (`pad`) kept at its own size,
+    scaled down only when it does not fit, and padded on the right and bottom with its edge."""
+    if fit == "stretch":
+        return F.interpolate(pixels, size=size, mode=mode, align_corners=False)
+    height, width = pixels.shape[-2:]
+    if height > size[0] or width > size[1]:
+        scale = min(size[0] / height, size[1] / width)
+        own = (max(1, math.floor(height * scale)), max(1, math.floor(width * scale)))
+        pixels = F.interpolate(pixels, size=own, mode=mode, align_corners=False)
+    return pad_images(pixels.movedim(1, -1), (size[1], size[0]), "edge").movedim(-1, 1)
+
+
 def control_latents(vae: QwenImage21VAE | None, grid: tuple[int, int], control_image=None, inpaint_image=None,
-                    mask=None) -> torch.Tensor:
-    """`(h*w, 129)` fp32 row-major tokens of the control latent for a target of `grid` = (h, w) latent cells."""
+                    mask=None, fit: str = "stretch") -> torch.Tensor:
+    """`(h*w, 129)` fp32 row-major tokens of the control latent for a target of `grid` = (h, w) latent cells.
+    `fit`: `stretch` the images and mask to the target (core's), or `pad` them at their own size."""
+    if fit not in FITS:
+        raise ValueError(f"fit must be one of {', '.join(FITS)}; got {fit!r}.")
     h, w = int(grid[0]), int(grid[1])
     size = (h * LATENT_TOKEN_PIXELS, w * LATENT_TOKEN_PIXELS)
     if vae is None and (control_image is not None or (mask is not None and inpaint_image is not None)):
         raise ValueError("the control image and the inpaint image are VAE-encoded: connect the VAE.")
     control = torch.zeros(1, CONTROL_CHANNELS, h, w)
     if control_image is not None:
-        pixels = F.interpolate(_first_rgb(control_image, "control_image"), size=size, mode="bicubic",
-                               align_corners=False)
-        control = _encode(vae, pixels)
+        control = _encode(vae, _on_target(_first_rgb(control_image, "control_image"), size, fit, "bicubic"))
     if mask is not None:
-        regen = F.interpolate(_first_mask(mask), size=size, mode="bilinear", align_corners=False) >= 0.5
+        regen = _on_target(_first_mask(mask), size, fit, "bilinear") >= 0.5
         regen = regen.float()
     else:
         regen = torch.ones(1, 1, *size)
     keep = 1.0 - F.interpolate(regen, size=(h, w), mode="nearest")
     inpaint = torch.zeros(1, CONTROL_CHANNELS, h, w)
     if inpaint_image is not None and mask is not None:
-        pixels = F.interpolate(_first_rgb(inpaint_image, "inpaint_image"), size=size, mode="bicubic",
-                               align_corners=False)
+        pixels = _on_target(_first_rgb(inpaint_image, "inpaint_image"), size, fit, "bicubic")
         inpaint = _encode(vae, pixels * (1.0 - regen) + 0.5 * regen)
     stacked = torch.cat([control, keep, inpaint], dim=1)  # (1, 129, h, w)
     return stacked[0].flatten(1).transpose(0, 1).contiguous()  # (h*w, 129)

@@ -11,6 +11,7 @@ import torch
 
 from ..vae.autoencoder import QwenImage21VAE
 from ..vae.latents import RELEASED_LATENT_FORMAT, LatentFormat
+from .canvas import DEFAULT_FILL, pad_images, padded_size
 from .conditioning import Conditioning
 from .references import PreparedReference
 from .text_encoder import QwenImageTextEncoder
@@ -76,6 +77,7 @@ def encode_prompt(text_encoder: QwenImageTextEncoder, prompt: str, references=()
         image_slots=encoded.image_slots.detach().cpu(),
         references=tokens,
         ref_shapes=tuple(r.shape for r in references),
+        ref_crops=tuple(r.prepared.crop for r in references),
         latent_format=formats.pop() if formats else RELEASED_LATENT_FORMAT,
         lead_key=lead_key(encoded.token_ids, text_encoder.vision_end_id, references),
     )
@@ -108,14 +110,19 @@ def decode_images(vae: QwenImage21VAE, raw_latents: torch.Tensor, tiled: bool | 
 
 
 @torch.no_grad()
-def encode_images(vae: QwenImage21VAE, image, mask=None, tiled: bool | None = None) -> tuple[torch.Tensor, str | None]:
+def encode_images(vae: QwenImage21VAE, image, mask=None, tiled: bool | None = None, fit: str = "crop",
+                  fill: str = DEFAULT_FILL) -> tuple[torch.Tensor, str | None]:
     """ComfyUI IMAGE `[B, H, W, C]` (C = 3 or 4; 1 = grey) and optional MASK (1 = transparent) -> raw VAE latents
     `(B, 64, H/16, W/16)` fp32 on the CPU, and a note when the image was cropped.
 
     RGB gets an opaque alpha; a mask replaces the alpha (alpha = 1 - mask). Pixels are used as they are (no 8-bit
     rounding), `2x - 1`, as the reference pipeline's image processor does. Sides are centre-cropped to multiples
-    of 32, the sizes the samplers generate (ComfyUI crops to the VAE's 16 the same way).
+    of 32, the sizes the samplers generate (ComfyUI crops to the VAE's 16 the same way). `fit = "pad"` keeps
+    every pixel instead: the images are padded on the right and bottom to multiples of 32 (`canvas.pad_images`,
+    transparent padding when the images have transparency), so the picture keeps its own pixel grid at (0, 0).
     """
+    if fit not in ("crop", "pad"):
+        raise ValueError(f"fit must be crop or pad; got {fit!r}.")
     pixels = torch.as_tensor(image).detach().to("cpu", torch.float32)
     if pixels.ndim == 3:
         pixels = pixels[None]
@@ -132,6 +139,13 @@ def encode_images(vae: QwenImage21VAE, image, mask=None, tiled: bool | None = No
         pixels = pixels.clone()
         pixels[..., 3] = 1.0 - _mask_for(mask, batch, height, width)
     note = None
+    if fit == "pad":
+        canvas = padded_size(width, height)
+        transparent = bool((pixels[..., 3] < 1.0).any())
+        pixels = pad_images(pixels, canvas, fill, 0.0 if transparent else None)
+        if canvas != (width, height):
+            note = f"image {width}x{height} padded to {canvas[0]}x{canvas[1]} (multiples of 32)"
+        width, height = canvas  # nothing left to crop
     crop_h, crop_w = height // 32 * 32, width // 32 * 32
     if min(crop_h, crop_w) == 0:
         raise ValueError(f"image is {width}x{height}; the VAE needs at least 32x32 pixels.")

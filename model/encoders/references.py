@@ -16,6 +16,10 @@ that one image to both. This module does the same:
 - VLM image: the resized RGBA pasted over white with its alpha as the mask (the pipeline's
   `_get_qwen_prompt_embeds`); the vision tower never sees alpha.
 
+`fit = "pad"` (model/encoders/canvas.py, docs/pad-and-crop.md) keeps the image's own pixels instead: it is padded on the
+right and bottom to multiples of 32 (and to at least the VLM's minimum area), resampled only when it is larger than
+`resolution`^2, and `crop` records its own box so the generated image can be cut back to it.
+
 The VLM's processor rescales anything outside [65536, 16777216] pixels (`size` in the released
 `processor/preprocessor_config.json`, see docs/checkpoints.md), after which its token grid no longer matches
 the latent grid, so such sizes are refused here with the `resolution` that would work. Pure PIL + numpy +
@@ -30,12 +34,15 @@ import torch
 from PIL import Image
 
 from ..vae.latents import LATENT_TOKEN_PIXELS, VLM_TOKEN_PIXELS
+from .canvas import DEFAULT_FILL, fit_inside, pad_images, padded_size
 
 #: The vision processor's `size.shortest_edge` / `size.longest_edge`: min / max pixels (docs/checkpoints.md).
 MIN_VLM_PIXELS = 65536
 MAX_VLM_PIXELS = 16777216
 #: transformers' `smart_resize` refuses images more elongated than this.
 MAX_ASPECT = 200
+#: How a reference reaches sides that are multiples of 32: `resize` (the reference pipeline's) or `pad`.
+FITS = ("resize", "pad")
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,13 +52,16 @@ class PreparedReference:
     Attributes:
         pixels: `(1, 4, H, W)` float32 in [-1, 1], channels R, G, B, A (an RGB source has A = +1): the VAE input.
         vlm_image: `H x W` RGB PIL image, the alpha composited over white: the vision tower's input.
-        width, height: the resized size in pixels, both multiples of 32.
+        width, height: the resized (or padded) size in pixels, both multiples of 32.
+        crop: with `fit = "pad"`, (width, height) of the image's own pixels at the top-left corner (the rest is
+            padding); None when the image was resized as the reference pipeline does.
     """
 
     pixels: torch.Tensor
     vlm_image: Image.Image
     width: int
     height: int
+    crop: tuple[int, int] | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -178,7 +188,8 @@ def _alpha_from_mask(mask, shape: tuple[int, int]) -> np.ndarray:
     return _to_uint8(1.0 - values.clamp(0.0, 1.0).numpy())
 
 
-def prepare_reference(image, mask=None, resolution: int = 1024) -> PreparedReference:
+def prepare_reference(image, mask=None, resolution: int = 1024, fit: str = "resize",
+                      fill: str = DEFAULT_FILL) -> PreparedReference:
     """The reference resized once, as VAE pixels and as the VLM's RGB image.
 
     Args:
@@ -189,24 +200,63 @@ def prepare_reference(image, mask=None, resolution: int = 1024) -> PreparedRefer
             replaces the image's own alpha when both are given. A constant mask of another size (LoadImage's
             64x64 placeholder) is broadcast; any other size mismatch is refused.
         resolution: area ~ resolution^2 with the aspect kept and sides rounded to 32; 0 keeps the image's size,
-            floored to multiples of 32.
+            floored to multiples of 32. With `fit = "pad"`: the largest area kept (a larger image is scaled down
+            to it, aspect kept), 0 = no limit.
+        fit: `resize` (the reference pipeline's) or `pad` (the image's own pixels, padded on the right and bottom
+            with `fill`, see `canvas.pad_images`; an image with transparency gets transparent padding).
 
     Raises:
         ValueError: an empty image, a bad shape, or a size the vision processor would rescale (below 65536 or
             above 16777216 pixels, or more elongated than 200:1); the message names the `resolution` that works.
     """
+    if fit not in FITS:
+        raise ValueError(f"fit must be one of {', '.join(FITS)}; got {fit!r}.")
     source = _rgba_source(image, mask)
+    if fit == "pad":
+        return _padded_reference(source, resolution, fill)
     width, height = reference_size(source.width, source.height, resolution)
     _check_size(source.size, (width, height), resolution)
     # PIL returns a copy when the size is unchanged, so resolution 0 on an x32 image is lossless.
     resized = source.resize((width, height), resample=Image.Resampling.LANCZOS, reducing_gap=None)
-    rgba = np.array(resized)  # (H, W, 4) uint8
+    return _prepared(resized)
+
+
+def _prepared(canvas: Image.Image, crop: tuple[int, int] | None = None) -> PreparedReference:
+    """The VAE's pixels and the VLM's image of one x32-sized RGBA canvas."""
+    rgba = np.array(canvas)  # (H, W, 4) uint8
     pixels = 2.0 * (rgba.astype(np.float32) / 255.0) - 1.0
-    vlm_image = Image.new("RGB", resized.size, (255, 255, 255))
-    vlm_image.paste(resized, mask=resized.getchannel("A"))
+    vlm_image = Image.new("RGB", canvas.size, (255, 255, 255))
+    vlm_image.paste(canvas, mask=canvas.getchannel("A"))
     return PreparedReference(
         pixels=torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).contiguous(),  # (1, 4, H, W)
         vlm_image=vlm_image,
-        width=width,
-        height=height,
+        width=canvas.width,
+        height=canvas.height,
+        crop=crop,
     )
+
+
+def _padded_reference(source: Image.Image, resolution: int, fill: str) -> PreparedReference:
+    """`fit = "pad"`: own pixels (scaled down only above resolution^2), padded right / bottom to x32 and to at
+    least the VLM's minimum area."""
+    if resolution < 0:
+        raise ValueError(f"resolution must be 0 (no limit) or positive, got {resolution}.")
+
+    def own_and_canvas(limit: int):
+        own = fit_inside(source.width, source.height, limit * limit) if limit else source.size
+        return own, padded_size(*own, min_pixels=MIN_VLM_PIXELS)
+
+    own, canvas = own_and_canvas(resolution)
+    if own != source.size:
+        source = source.resize(own, resample=Image.Resampling.LANCZOS, reducing_gap=None)
+    if not _fits_vlm(canvas):
+        fits = [r for r in range(4096, 0, -32) if _fits_vlm(own_and_canvas(r)[1])]
+        advice = (f"Use a resolution of at most {fits[0]} (the image is then scaled down before padding)."
+                  if fits else "Crop the image to a less elongated shape first.")
+        raise ValueError(f"Reference image {own[0]}x{own[1]} padded to {canvas[0]}x{canvas[1]} does not fit the "
+                         f"vision processor (from {MIN_VLM_PIXELS} to {MAX_VLM_PIXELS} pixels, at most "
+                         f"{MAX_ASPECT}:1). {advice}")
+    rgba = np.array(source)
+    transparent = bool((rgba[..., 3] < 255).any())  # the padding is marked transparent where alpha is in play
+    padded = pad_images(torch.from_numpy(rgba)[None].float() / 255.0, canvas, fill, 0.0 if transparent else None)
+    return _prepared(Image.fromarray(_to_uint8(padded[0].numpy()), mode="RGBA"), crop=own)
