@@ -222,8 +222,7 @@ def test_report_has_the_contract_keys(dit_pair):
 
 def test_nan_latents_stop_with_the_step_named(dit_pair, monkeypatch):
     _, ours = dit_pair
-    from qi21.model.sampling import euler
-    from qi21.model.sampling import loop as sampling
+    from qi21.model.sampling import euler, loop as sampling
 
     real_step, calls = euler.euler_step, []
 
