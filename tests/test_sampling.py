@@ -222,15 +222,15 @@ def test_report_has_the_contract_keys(dit_pair):
 
 def test_nan_latents_stop_with_the_step_named(dit_pair, monkeypatch):
     _, ours = dit_pair
-    from qi21.model.sampling import loop as sampling
+    from qi21.model.sampling import euler, loop as sampling
 
-    real_step, calls = sampling.euler_step, []
+    real_step, calls = euler.euler_step, []
 
     def poisoned(x, v, sigma, sigma_next):
         calls.append(sigma)
         return real_step(x, v, sigma, sigma_next) * (float("nan") if len(calls) == 3 else 1.0)
 
-    monkeypatch.setattr(sampling, "euler_step", poisoned)
+    monkeypatch.setattr(euler, "euler_step", poisoned)
     with torch.no_grad(), pytest.raises(sampling.NonFiniteLatentsError, match="step 3 of 6"):
         sample(ours, conditioning(), sigmas=base_sigmas(6, 256, 256), width=256, height=256)
     assert gf.filled_caches() == []
