@@ -50,7 +50,7 @@ def shape_centre(rgba) -> tuple[float, float]:
 
 
 def as_tensor(picture: Image.Image) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(picture.convert("RGBA"))).float() / 255
+    return torch.from_numpy(np.array(picture.convert("RGBA"))).float() / 255
 
 
 def edit(pipe, picture, seed, steps, fit="resize", fill="edge", start=None, denoise=1.0) -> torch.Tensor:

@@ -293,7 +293,7 @@ def test_on_the_toy_img2img_with_pad_keeps_the_shape_within_2_px(toy):
     from qi21.model.sampling.schedule import base_sigmas
 
     picture_ = circle_picture()
-    image = torch.from_numpy(np.asarray(picture_.convert("RGB"))).float()[None] / 255
+    image = torch.from_numpy(np.array(picture_.convert("RGB"))).float()[None] / 255
     source = shape_centre(image[0])
     offsets = {}
     for fit in ("crop", "pad"):
