@@ -53,9 +53,9 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # already be fp8 in a file (plain fp8 releases, without scales); anything else must be a float type.
 FP8_PARAMS = re.compile(r"blocks\.\d+\.(qkv|to_out|gate_up|down)\.weight")
 # fp8_e4m3fn_fast also multiplies the FP8_PARAMS layers in fp8 (layers/fast_gemm.py); the layers above stay in bf16
-# for the same reason, and fp8 GEMMs would buy nothing there (one row per sample for the modulation; docs/
-# measurements.md has the toy with every Linear in fp8). It applies to float files and to fp8 files (their codes and
-# scales used as they are), not to the other quantized formats.
+# for the same reason, and fp8 GEMMs would buy nothing there (one row per sample for the modulation); on the toy,
+# every Linear in fp8 cost 0.9 dB more (docs/measurements.md).
+# It applies to float files and to fp8 files (their codes and scales used as they are), not to other quantized ones.
 FP8_FAST = "fp8_e4m3fn_fast"
 FP8_FILE_FORMATS = {"float8_e4m3fn", "float8_e5m2"}
 DIFFUSERS_FOLDER = ("a diffusers Qwen-Image-2.1 folder (transformer/config.json + "
