@@ -14,6 +14,7 @@ from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
 from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
+from qi21.model.transformer.controlnet import ControlStream
 from qi21.model.vae.autoencoder import QwenImage21VAE
 
 GRID = (4, 6)
@@ -133,7 +134,8 @@ def test_a_comfy_style_sampler_across_the_window_keeps_the_cache_exact(pair, net
     negative = conditioning(tail_seed=4) if cfg > 1 else None
     calls = []  # (mode, controlled) of every DiT call
     hook = patched.register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append((kwargs["mode"], kwargs["control"] is not None)), with_kwargs=True)
+        lambda module, args, kwargs: calls.append((kwargs["mode"], any(isinstance(h, ControlStream)
+                                                                        for h in kwargs["hooks"]))), with_kwargs=True)
     try:
         on = run(patched, conditioning(), sampler=heun, negative=negative, cfg=cfg)
         on_calls, calls[:] = list(calls), []
