@@ -173,7 +173,7 @@ def test_choose_dtype_is_one_rule(weight_dtype, file_dtype, expected):
 
 def test_choose_dtype_refuses_with_the_choices():
     with pytest.raises(ValueError, match=r"weight_dtype must be one of \('default', 'bf16', 'fp16', 'fp32', "
-                                         r"'fp8_e4m3fn'\) or a torch dtype; got 'int4'"):
+                                         r"'fp8_e4m3fn', 'fp8_e4m3fn_fast'\) or a torch dtype; got 'int4'"):
         choose_dtype("int4", "F32", FLOATS, "thing")
     with pytest.raises(ValueError, match=r"weight_dtype fp8_e4m3fn is not supported for the VAE; use default, bf16, "
                                          r"fp16, fp32\."):

@@ -288,3 +288,14 @@ def test_every_weight_format_takes_the_deltas_without_touching_its_weights(tiny_
         expected = expected + adapter.dense(0, 3 * width, "cpu")
     expected[width : 2 * width] = new_k
     torch.testing.assert_close(dense.weight.float(), expected.to(dense.weight.dtype).float(), rtol=0, atol=0)
+
+
+def test_full_weight_patches_on_a_deferred_dit_merge_with_the_file_weights(tiny_models, tmp_path):
+    """A DiT loaded for a GPU waits on its file (placeholders, model/loaders/deferred.py): a `.diff` / `.set_weight`
+    patch must merge with the file's weight, not the placeholder's zeros; the result equals the eagerly loaded one."""
+    path = write(tmp_path / "extract.safetensors", extract(tiny_models, "full_diff"))
+    eager = apply_lora(load_dit(tiny_models["dit"], weight_dtype="fp32"), path, 0.5)
+    deferred = apply_lora(load_dit(tiny_models["dit"], weight_dtype="fp32", defer=True), path, 0.5)
+    deferred.file_weights.materialize(lambda param: "cpu")
+    for (name, a), (_, b) in zip(eager.named_parameters(), deferred.named_parameters()):
+        assert torch.equal(a, b), name

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ..layers.linear import Linear
 from ..layers.lora import DeltaBranch
+from .deferred import file_weights
 
 #: Suffix -> role of a full-weight patch tensor.
 PATCH_PARTS = {".diff": "diff", ".diff_b": "diff_b", ".set_weight": "set", ".w_norm": "w_norm", ".b_norm": "b_norm"}
@@ -102,6 +103,7 @@ def apply_patches(model: nn.Module, patches, strength: float) -> None:
     """Apply a file's full-weight patches to `model`, a fresh copy from `apply_lora` (its modules are its own, its
     parameters shared with the original until replaced here). Sets first (they replace what came before), then
     the norm deltas, then one DeltaBranch per Linear."""
+    _read_what_patches_merge_with(model, patches)
     for patch in patches:
         if patch.kind == "set" and patch.target is not None:
             _set_linear_rows(model, patch)
@@ -114,6 +116,23 @@ def apply_patches(model: nn.Module, patches, strength: float) -> None:
     for path, items in deltas.items():
         linear = model.get_submodule(path)
         linear.adapters = (*linear.adapters, DeltaBranch(items, strength))
+
+
+def _read_what_patches_merge_with(model: nn.Module, patches) -> None:
+    """A deferred model's weights wait on its file as placeholders (deferred.py): the ones a patch merges with (a
+    norm's delta, a Linear whose rows are set) are read first, onto the host, or the merge would start from the
+    placeholder's zeros and the base weight would be lost."""
+    weights = file_weights(model)
+    if weights is None or not weights.waiting:
+        return
+    params = []
+    for patch in patches:
+        if patch.param is not None and patch.kind != "set":
+            owner_path, _, name = patch.param.rpartition(".")
+            params.append(model.get_submodule(owner_path)._parameters[name])
+        elif patch.kind == "set" and patch.target is not None:
+            params.extend(model.get_submodule(patch.target.linear).parameters())
+    weights.materialize(lambda param: "cpu", only={id(param) for param in params})
 
 
 def _patch_param(model: nn.Module, patch: WeightPatch, strength: float) -> None:
