@@ -137,7 +137,8 @@ def load_or_free(loader, *args, **kwargs):
 def loader_pairs_problem(compile=None, devices=None, parallel=None, plan=None, **_) -> str | None:  # noqa: A002
     """The table of pairs (model/options.py) on the loader's own inputs, before anything loads: compile or plan with
     devices is refused here, by name. Inputs not given (linked, or left out) are taken as their defaults."""
-    named = ", ".join(part.strip() for part in (devices or "").split(",") if part.strip())
+    text = devices if isinstance(devices, str) else ""  # anything else is named by the rank list's own check
+    named = ", ".join(part.strip() for part in text.split(",") if part.strip())
     try:
         record = ModelOptions(compile=compile or "off", plan=plan or "auto",
                               devices=(named,) if named else (), parallel=parallel or "off")

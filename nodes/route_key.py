@@ -158,6 +158,8 @@ class _Graph:
         names = KEPT_INPUTS.get(kind, sorted(inputs))
         if kind == "QI21TextEncode" and inputs.get("references") is not None:
             names = tuple(n for n in names if n != "prompt")  # the words do not move a reference prefix
+        if kind == "QI21Reference" and inputs.get("fit", "resize") != "resize":
+            names = (*names, "fit")  # pad keeps other pixels than resize; left out at its default: keys stay as before
         out = {"node": kind}
         if kind not in KEPT_INPUTS:
             out["output"] = output

@@ -95,7 +95,7 @@ class QI21StepCache(io.ComfyNode):
         if control == "recompute" and control not in _told:
             _told.add(control)
             log.warning("qi21: Step Cache control = recompute is retired and runs as reuse (it changed pictures by "
-                        "0.3 dB or less for 5-13%% more time; docs/step-cache.md). Set control to reuse to silence "
+                        "0.3 dB or less for 5-13% more time; docs/step-cache.md). Set control to reuse to silence "
                         "this.")
         options = StepCacheOptions(mode, float(threshold), float(edit_threshold), float(start_percent),
                                    float(end_percent), int(max_skips))

@@ -80,11 +80,15 @@ def test_the_words_do_not_move_a_reference_prefix_but_the_references_do(inputs):
     sampler.update(seed=7, steps=9, width=512, keep_cache=True)
     nodes_of(settings, "QI21ModelLoader")[0]["inputs"].update(attention="sdpa", plan="stream")
     assert route_key(settings, inputs) == key
+    resized = copy.deepcopy(base)  # the Reference's fit at its default is the key of a graph saved before fit
+    nodes_of(resized, "QI21Reference")[0]["inputs"]["fit"] = "resize"
+    assert route_key(resized, inputs) == key
 
     changes = {
         "dit file": ("QI21ModelLoader", "model_name", "other.safetensors"),
         "dit dtype": ("QI21ModelLoader", "weight_dtype", "fp16"),
         "reference size": ("QI21Reference", "resolution", 512),
+        "reference fit": ("QI21Reference", "fit", "pad"),
         "vae": ("QI21VAELoader", "vae_name", "other_vae.safetensors"),
         "text encoder": ("QI21TextEncoderLoader", "text_encoder_name", "other_te.safetensors"),
     }

@@ -147,7 +147,8 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     changes it later.
     `defer`: check everything, but leave the weights on the file until the memory plan places them
     (`model.file_weights`, deferred.py: read straight to the GPU or to pinned host memory, never a whole copy in
-    host memory first); `device` is then unused. Float files only: an fp8 or quantized one loads at once.
+    host memory first); `device` is then unused. Float files kept in a float type only: an fp8 or quantized file,
+    and `weight_dtype` fp8_e4m3fn / fp8_e4m3fn_fast (quantized while reading), load at once.
     """
     if quantized_gemm not in GEMM_MODES:
         raise ValueError(f"quantized_gemm must be one of {', '.join(GEMM_MODES)}, got {quantized_gemm!r}.")
@@ -226,7 +227,7 @@ def _quantize_parts(target: torch.Tensor, scale: torch.Tensor, keys, read, devic
     for key in keys:
         part = read(key)
         if part.dtype != torch.float8_e4m3fn:
-            part, part_scale = quantize_weight(part.to(device))
+            part, part_scale = quantize_weight(part.to(device).float())  # e5m2 has no amax on a CPU
             scale[row : row + part.shape[0]] = part_scale
         else:
             part = part.float().clamp_(-FP8_MAX, FP8_MAX)

@@ -13,7 +13,8 @@ their group before the decision, and every rank compares the same number with th
               the group takes the maximum of the ranks' own indicators: one process's exactly. Both ranks use the
               threshold of the run's positive prompt (the one a single process decides with).
 
-One small all-reduce per model call that can skip (a few floats), none where the rule cannot skip.
+One small all-reduce (a few floats) per model call after the first full pass, whether or not the rule may skip
+that call: the report keeps every call's indicator.
 """
 
 import torch

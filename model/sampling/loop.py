@@ -259,8 +259,12 @@ def sample(
                        dtype=dtype, storage=storage, prefix_key=prefix_key) if cached else None
     interrupt = None if check_interrupt is None else EveryBlock(lambda index: check_interrupt())
     clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
-    # an edit (references present) changes less per step, so T8's rule asks a smaller change of it
-    skipper = StepCache.for_run(step_cache, sigmas, edit=bool(positive.ref_shapes), num_layers=model.config.num_layers)
+    # an edit (references present) changes less per step, so T8's rule asks a smaller change of it; a CFG-parallel
+    # rank's `positive` may be the negative prompt, so the split says whether the run is an edit (every rank must
+    # build a step cache, or none: a lone one would wait in the indicator's all-reduce)
+    edit = getattr(getattr(model, "parallel", None), "edit", None)
+    edit = bool(positive.ref_shapes) if edit is None else edit
+    skipper = StepCache.for_run(step_cache, sigmas, edit=edit, num_layers=model.config.num_layers)
     if skipper is not None and getattr(model, "parallel", None) is not None:  # ranks decide together (parallel/)
         model.parallel.join_step_cache(skipper)
 
