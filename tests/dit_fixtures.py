@@ -18,6 +18,19 @@ TINY = dict(num_layers=3, num_attention_heads=2, attention_head_dim=32, context_
             axes_dims_rope=(4, 14, 14), in_channels=64, out_channels=64)
 
 
+def unit_scale_dit(config: DiTConfig, seed: int) -> QwenImage21DiT:
+    """Our DiT alone with finite, unit-scale random weights (norm scales around 1), seeded, in eval mode."""
+    torch.manual_seed(seed)
+    dit = QwenImage21DiT(config)
+    with torch.no_grad():
+        for param in dit.parameters():
+            if param.ndim == 1:
+                param.copy_(0.2 * torch.randn_like(param) + 1.0)
+            else:
+                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
+    return dit.eval()
+
+
 def tiny_pair(seed: int = 0, causal_condition: bool = True):
     """(diffusers model, our model) with the same random fp32 weights."""
     torch.manual_seed(seed)

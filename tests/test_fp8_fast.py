@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import controlnet_fixtures as cf
-from dit_fixtures import make_case
+from dit_fixtures import make_case, unit_scale_dit
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.layers import fast_gemm
 from qi21.model.layers.fast_gemm import force_int8_engine, force_scaled_mm
@@ -47,15 +47,7 @@ def emulated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def random_dit(seed=5) -> QwenImage21DiT:
-    torch.manual_seed(seed)
-    dit = QwenImage21DiT(CONFIG)
-    with torch.no_grad():
-        for param in dit.parameters():
-            if param.ndim == 1:
-                param.copy_(0.2 * torch.randn_like(param) + 1.0)
-            else:
-                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
-    return dit.eval()
+    return unit_scale_dit(CONFIG, seed)
 
 
 def fast_copy(dit: QwenImage21DiT) -> QwenImage21DiT:

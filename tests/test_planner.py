@@ -374,18 +374,13 @@ def test_the_planner_counts_what_the_step_cache_holds(monkeypatch, mode):
     """A real run (CFG, batch 2) measured at every block: the most the step cache holds while blocks 1..N-1 run is
     the planner's figure for it, within the planner's margin (predicted >= measured, at most 10% above); and every
     sampling phase of the plan grows by it."""
+    from dit_fixtures import unit_scale_dit
     from qi21.model.options import with_options
     from qi21.model.sampling import step_cache as step_cache_module
     from qi21.model.sampling.step_cache import StepCacheOptions
-    from qi21.model.transformer.dit import QwenImage21DiT
     from test_step_cache import CONFIG, GRID, conditioning, run
 
-    torch.manual_seed(0)
-    model = QwenImage21DiT(CONFIG).eval()
-    with torch.no_grad():  # the step-cache tests' weights: finite, unit-scale
-        for param in model.parameters():
-            param.copy_(0.2 * torch.randn_like(param) + 1.0 if param.ndim == 1
-                        else torch.randn_like(param) / param.shape[1] ** 0.5)
+    model = unit_scale_dit(CONFIG, seed=0)  # the step-cache tests' weights: finite, unit-scale
     seen, made = [], []
     real_for_run = step_cache_module.StepCache.for_run
 

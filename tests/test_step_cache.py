@@ -14,12 +14,13 @@ import dataclasses
 import pytest
 import torch
 
+from dit_fixtures import unit_scale_dit
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.options import options_of, with_options
 from qi21.model.sampling.cache_store import PrefixCacheStore
 from qi21.model.sampling.loop import sample
 from qi21.model.sampling.step_cache import StepCache, StepCacheOptions
-from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
+from qi21.model.transformer.dit import DiTConfig, PrefixInputs
 from qi21.model.transformer.hooks import Finish
 from tolerances import same
 
@@ -33,15 +34,7 @@ PATTERN_20 = "FF" + "SSF" * 5 + "FFF"
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(5)
-    dit = QwenImage21DiT(CONFIG)
-    with torch.no_grad():
-        for param in dit.parameters():
-            if param.ndim == 1:
-                param.copy_(0.2 * torch.randn_like(param) + 1.0)
-            else:
-                param.copy_(torch.randn_like(param) / param.shape[1] ** 0.5)
-    return dit.eval()
+    return unit_scale_dit(CONFIG, seed=5)
 
 
 def conditioning(references: bool = False, seed: int = 3) -> Conditioning:

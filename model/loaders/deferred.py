@@ -116,7 +116,7 @@ def materialize_on_input(weights: FileWeights):
     onto the device of the call's first tensor input (the host without one)."""
 
     def hook(module, args, kwargs):
-        if weights.waiting:
+        if weights.on_file:  # a set's truth per call; `waiting` would sum every parameter's bytes
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             device = first.device if first is not None else torch.device("cpu")
             weights.materialize(lambda param: device)

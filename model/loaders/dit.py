@@ -258,11 +258,13 @@ def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute,
     scale; plain torch, comfy-kitchen not needed). `fast` (fp8_e4m3fn_fast) makes the block linears fp8 rowwise
     layers instead: a float file's rows quantized per output channel part by part (each part is whole rows), an fp8
     file's codes and scales kept."""
+    def read(key):
+        return reader.read(file_keys[key])
+
     if quant is not None:
         quant.check_targets(model, plan)  # before any weight is read
     for name, keys in plan.items():
-        if quant is not None and quant.fill_linear(model, name, keys, lambda key: reader.read(file_keys[key]),
-                                                   compute, device):
+        if quant is not None and quant.fill_linear(model, name, keys, read, compute, device):
             if fast and FP8_PARAMS.fullmatch(name):
                 _replace_linear(model, name, model.get_submodule(name.rpartition(".")[0]).as_fp8_rowwise())
             continue
@@ -270,15 +272,13 @@ def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute,
         module = model.get_submodule(module_name)
         dtype = torch.float8_e4m3fn if (fp8 or fast) and FP8_PARAMS.fullmatch(name) else compute
         target = torch.empty(getattr(module, attr).shape, dtype=dtype, device=device)
-        scale = torch.ones(target.shape[0], 1, device=device) if fast and dtype != compute else None
-        read = lambda key: reader.read(file_keys[key])  # noqa: E731
-        if scale is None:
-            _copy_parts(target, keys, read)
-        else:
+        if fast and dtype != compute:
+            scale = torch.ones(target.shape[0], 1, device=device)
             _quantize_parts(target, scale, keys, read, device)
-        if scale is not None:
             _replace_linear(model, name, QuantLinear.from_fp8_rowwise(target, scale, compute))
-        elif dtype == torch.float8_e4m3fn:
+            continue
+        _copy_parts(target, keys, read)
+        if dtype == torch.float8_e4m3fn:
             _replace_linear(model, name, QuantLinear.from_fp8(target, compute))
         else:
             setattr(module, attr, torch.nn.Parameter(target, requires_grad=False))
