@@ -50,8 +50,8 @@ one 512x512 reference and a 512x512 target (1,024 + 1,024 latent tokens), fp32 o
 only the seed, so ComfyUI re-runs only the sampler (and the SaveLatent after it); its time is the server's own
 `execution_start` -> `execution_success` timestamps. diffusers' loop on the same weights (`kv_cache_mode` extract then
 cached, FlowMatchEulerDiscreteScheduler, as its pipeline runs them) runs as a benchmark-only node in the same server
-(benchmarks/comfyui_diffusers_loop.py, copied into its custom_nodes/), timed the same way, its prompts interleaved
-with ours.
+(benchmarks/parts/comfyui_diffusers_loop.py, copied into its custom_nodes/), timed the same way, its prompts
+interleaved with ours.
 
 Printed (medians of `--repeats`):
 - the cached step: (12-step prompt - 2-step prompt) / 10, ours over diffusers' loops of the same lengths;
@@ -104,7 +104,7 @@ class BenchServer(harness.ComfyServer):
             "mlp_ratio": config.mlp_ratio}))
         node = self.base / "custom_nodes" / "qi21_bench_diffusers"
         node.mkdir()
-        shutil.copyfile(Path(__file__).with_name("comfyui_diffusers_loop.py"), node / "__init__.py")
+        shutil.copyfile(Path(__file__).parent / "parts" / "comfyui_diffusers_loop.py", node / "__init__.py")
         y, x = np.mgrid[0:SIDE, 0:SIDE] / SIDE
         pixels = np.stack([x, y, 0.5 + 0.5 * np.sin(7 * (x + y))], -1)
         Image.fromarray((pixels * 255).astype(np.uint8), "RGB").save(self.base / "input" / REFERENCE_IMAGE)

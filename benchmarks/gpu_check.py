@@ -2,7 +2,7 @@
 
 On a GPU (bf16, the released width, 1024x1024 targets, references of 1024x1024) it prints one table per section:
 - `streaming`: streamed vs resident weights and the host prefix cache under memory caps, bit-identical or not, the
-  planner's predicted peak against the measured one (benchmarks/bench_streaming_gpu.py, run first on an empty GPU);
+  planner's predicted peak against the measured one (`memory.py streaming`, run first on an empty GPU);
 - `bf16`: our whole DiT against diffusers' on the same weights: prefill and cached step (ms) with 0 / 1 / 2
   references, and how far the two velocities are apart (the bf16 drift every fast path is judged against);
 - `formats`: int8 ConvRot, fp8, W4A8 (comfy-kitchen's kernels), GGUF Q8_0 and Q4_K, a LoRA: each model against a
@@ -20,9 +20,9 @@ On a GPU (bf16, the released width, 1024x1024 targets, references of 1024x1024) 
   and the step's time; an issue time near the step time means the host, not the GPU, sets the pace;
 - `compiled`: the cached step eager, with compiled blocks and with compiled blocks replayed as CUDA graphs (the
   loader's `compile` option), next to diffusers': ms, the cold compile's seconds, the difference to eager
-  (benchmarks/gpu_check_compiled.py);
+  (parts/gpu_check_compiled.py);
 - `fp8`: the cached step in bf16, `fp8_e4m3fn_fast` (torch._scaled_mm, per-row scales) and int8 ConvRot on each int8
-  engine (comfy-kitchen, torch._int_mm), eager and compiled, against our bf16 eager step (benchmarks/gpu_check_fp8.py).
+  engine (comfy-kitchen, torch._int_mm), eager and compiled, against our bf16 eager step (parts/gpu_check_fp8.py).
 Each section has a time budget it is sized for (`BUDGET_S`); one that fails is reported with its error and the run goes
 on, so one call gives every result. `--sections` picks some; `--json` also writes the rows.
 
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
-from gpu_check_common import Check, dit_calls, gib, rel_diff, table
+from parts.gpu_check_common import Check, dit_calls, gib, rel_diff, table
 from qi21.model.memory.estimate import GIB, VAEShape, decode_transient
 from qi21.model.memory.planner import Budget, RunShape, plan_run
 from qi21.model.memory.streaming import StreamedRun
@@ -70,13 +70,13 @@ DRY_VAE = QwenImage21VAEConfig(base_dim=4, decoder_base_dim=6)
 
 # -- sections -----------------------------------------------------------------------------------------------------
 def section_streaming(check: Check) -> list[dict]:
-    import bench_streaming_gpu
+    from parts import weight_streaming
 
     check.release()  # the caps limit the whole process: nothing else may sit on the GPU
     args = ["--dry-run", "--steps", "2", "--references", "1"] if check.dry_run else \
         ["--caps", "12", "24", "--references", "1", "--steps", "3"]
-    print("\n### streaming: streamed / host cache vs resident (bench_streaming_gpu.py " + " ".join(args) + ")\n")
-    return bench_streaming_gpu.main(args)
+    print("\n### streaming: streamed / host cache vs resident (memory.py streaming " + " ".join(args) + ")\n")
+    return weight_streaming.run(args)
 
 
 def section_bf16(check: Check) -> list[dict]:
@@ -103,7 +103,7 @@ def section_bf16(check: Check) -> list[dict]:
 def section_drift(check: Check) -> list[dict]:
     """How far bf16 moves the cached velocity from the same weights in fp32, ours and diffusers' alike: the yardstick
     the bf16 section's difference between the two is read against (random weights amplify rounding with depth)."""
-    from gpu_check_common import random_pair
+    from parts.gpu_check_common import random_pair
 
     check.release()
     # built in fp32 with bf16-valued weights: building in bf16 would also round diffusers' fp32 timestep-frequency
@@ -141,19 +141,19 @@ def section_drift(check: Check) -> list[dict]:
 
 
 def section_formats(check: Check) -> list[dict]:
-    import gpu_check_formats
+    from parts import gpu_check_formats
 
     return gpu_check_formats.run(check)
 
 
 def section_compiled(check: Check) -> list[dict]:
-    import gpu_check_compiled
+    from parts import gpu_check_compiled
 
     return gpu_check_compiled.run(check)
 
 
 def section_fp8(check: Check) -> list[dict]:
-    import gpu_check_fp8
+    from parts import gpu_check_fp8
 
     return gpu_check_fp8.run(check)
 

@@ -5,6 +5,9 @@ cache setting does (and saves), and whether the toy draws what it is asked. One 
     python benchmarks/quality.py step-cache [--models DIR] [--settings t8 t8:0.04 extrapolate ...] [--steps 40] ...
     python benchmarks/quality.py accuracy [--steps 40] [--cfg 4] [--turbo] [--sheet FILE] [--toy DIR]
     python benchmarks/quality.py cases OUT   (the toy's models folder and the cases as a --prompts JSON)
+    python benchmarks/quality.py fp8-lora [--rank 16] [--strength 1.0] [--count 6] [--steps 40] [--threads 2]
+    python benchmarks/quality.py fp8-width [--blocks 2] [--text 32] [--grid 16] [--threads 2]
+    python benchmarks/quality.py pad-crop [--seeds 4] [--steps 20] [--picture docs/images/pad_crop.png]
 
 `variants` (the yardstick): the same prompts, seeds and references (`cases`: 14 text-to-image prompts and 6 edits
 drawn from the toy's vocabulary, 40 Base steps, 256x256) run through the exact path (the committed weights in fp32,
@@ -21,6 +24,11 @@ wall and CPU time over the exact run's. Its options are in `step_cache_parser`.
 `accuracy`: 40 text-to-image prompts and 20 edits (another seed than training's draws), each picture read by
 `analyse`: the share with the asked colour and side (and background); an edit must keep what it was not asked to
 change. `--sheet FILE` writes every picture with its prompt and what was read (docs/images/toy_accuracy.png).
+
+`fp8-lora`: a LoRA on an `fp8_e4m3fn_fast` base, its branch beside the fp8 GEMM against the LoRA merged before
+quantizing (`FP8_LORA_HELP`). `fp8-width`: the velocity at the released width with each fp8 recipe, random weights
+(`FP8_WIDTH_HELP`; the recipes emulated there and in `VARIANTS` are parts/fp8_recipes.py). `pad-crop`: does an edit
+lay over its input, fit = pad against today's resize (parts/pad_crop.py, the picture of docs/pad-and-crop.md).
 
 A toy's numbers bound nothing about the real 7B model: its weights are small and its pictures flat shapes. They
 rank the options and show which are near-lossless and which move the picture. PSNR, SSIM, the reading of a picture
@@ -41,15 +49,21 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
-from fp8_recipes import every_linear_fp8, scale_one
+from parts import pad_crop
+from parts.fp8_recipes import every_linear_fp8, merged_lora_fp8, scale_one
+from qi21.demo import tiny_checkpoints as tiny
 from qi21.demo.toy_data import random_edit, random_scene
 from qi21.demo.toy_eval import ToyPipeline, analyse, psnr, ssim
 from qi21.demo.toy_model import TOY_DIR, write_toy_checkpoints
 from qi21.model.layers.fast_gemm import force_scaled_mm
+from qi21.model.loaders.dit import load_dit
+from qi21.model.loaders.lora import apply_lora
 from qi21.model.sampling.step_cache import StepCacheOptions
+from qi21.model.transformer.dit import DiTConfig, PrefixInputs
+from qi21.model.transformer.layout import build_layout
 from qi21.nodes import bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.controlnet import QI21ControlNetApply, QI21ControlNetLoader
@@ -70,6 +84,23 @@ def cases(seed: int = 7, t2i: int = T2I, edits: int = EDITS) -> list[tuple[str, 
     for i in range(edits):
         edit = random_edit(rng, EDIT_KINDS[i % 3])
         out.append((edit.instruction, edit.source, 2000 + i))
+    return out
+
+
+def toy_pipeline(root: Path, runs) -> tuple[ToyPipeline, dict]:
+    """The trained toy's files written under `root/models` and its pipeline, with the reference of each edit of
+    `runs` (by index)."""
+    write_toy_checkpoints(root / "models")
+    pipe = ToyPipeline(root / "models")
+    return pipe, {i: pipe.reference(source.render()) for i, (_, source, _) in enumerate(runs) if source}
+
+
+def toy_images(pipe: ToyPipeline, runs, references: dict, model, steps: int, **extra) -> list[torch.Tensor]:
+    """Each case of `runs` through `model`: its decoded RGBA image, `extra` passed on to `generate`."""
+    out = []
+    for i, (prompt, _, seed) in enumerate(runs):
+        refs = (references[i],) if i in references else ()
+        out.append(pipe.generate(prompt, seed, refs, steps=steps, model=model, **extra)[0][0])
     return out
 
 
@@ -128,19 +159,13 @@ def run_variants(argv=None) -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        write_toy_checkpoints(root / "models")
-        pipe = ToyPipeline(root / "models")
         runs = cases()
-        references = {i: pipe.reference(source.render()) for i, (_, source, _) in enumerate(runs) if source}
+        pipe, references = toy_pipeline(root, runs)
 
         def images(model, extra):
             extra = dict(extra)
-            out = []
             with extra.pop("context", contextlib.nullcontext)():  # a test seam the variant runs under
-                for i, (prompt, _, seed) in enumerate(runs):
-                    refs = (references[i],) if i in references else ()
-                    out.append(pipe.generate(prompt, seed, refs, steps=args.steps, model=model, **extra)[0][0])
-            return out
+                return toy_images(pipe, runs, references, model, args.steps, **extra)
 
         tick = time.perf_counter()
         exact_model = pipe.dit()
@@ -238,6 +263,126 @@ def write_cases(argv=None) -> None:
             found["edit"].append({"instruction": prompt, "seed": seed, "reference": f"source_{i}.png"})
     (out / "cases.json").write_text(json.dumps(found, indent=1))
     print(f"{len(found['t2i'])} prompts, {len(found['edit'])} edits in {out}")
+
+
+# -- fp8-lora: a LoRA on the fp8 base, as a branch or merged -----------------------------------------------------
+FP8_LORA_HELP = """A LoRA on an `fp8_e4m3fn_fast` base, on the trained toy: its branch beside the fp8 GEMM (what the
+pack does) or merged into the weights before they are quantized, each against the exact path (fp32 weights, the
+LoRA's branch).
+
+The LoRA is the toy's Turbo minus its Base (ComfyUI's extraction, `--rank`), applied to the Base at `--strength`: a
+LoRA that moves every block linear, as the Turbo extracts users run do. The pictures are the yardstick's first
+`--count` cases (`variants`), 40 Base steps, 256x256; `_scaled_mm` forced (a CPU would dequantize).
+
+    python benchmarks/quality.py fp8-lora [--rank 16] [--strength 1.0] [--count 6] [--steps 40] [--threads 2]
+"""
+
+
+def run_fp8_lora(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="quality.py fp8-lora", description=FP8_LORA_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--strength", type=float, default=1.0)
+    parser.add_argument("--count", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        runs = cases()[: args.count]
+        pipe, references = toy_pipeline(root, runs)
+        lora = root / "turbo_lora.safetensors"
+        save_file(tiny.extracted_lora_state_dict(load_file(str(TOY_DIR / "transformer_base.safetensors")),
+                                                 load_file(str(TOY_DIR / "transformer_turbo.safetensors")), args.rank),
+                  str(lora))
+
+        exact = toy_images(pipe, runs, references, apply_lora(pipe.dit(), lora, args.strength), args.steps)
+        variants = {"bf16 base + LoRA (the drift bf16 users accept)":
+                    lambda: apply_lora(pipe.dit(weight_dtype="bf16"), lora, args.strength),
+                    "fp8_e4m3fn_fast + LoRA branch beside the fp8 GEMM":
+                    lambda: apply_lora(pipe.dit(weight_dtype="fp8_e4m3fn_fast"), lora, args.strength),
+                    "LoRA merged, then quantized to fp8 rowwise":
+                    lambda: merged_lora_fp8(pipe.dit(weight_dtype="bf16"), lora, args.strength)}
+        print(f"LoRA: the toy's Turbo - Base, rank {args.rank}, strength {args.strength}; {len(runs)} pictures, "
+              f"{args.steps} steps")
+        print("| variant | PSNR mean (dB) | PSNR worst | SSIM mean |")
+        print("|---|---|---|---|")
+        for name, make in variants.items():
+            with force_scaled_mm():
+                got = toy_images(pipe, runs, references, make(), args.steps)
+            p = [psnr(a, b) for a, b in zip(got, exact)]
+            s = [ssim(a, b) for a, b in zip(got, exact)]
+            print(f"| {name} | {statistics.fmean(p):.1f} | {min(p):.1f} | {statistics.fmean(s):.4f} |", flush=True)
+
+
+# -- fp8-width: the velocity at the released width ---------------------------------------------------------------
+FP8_WIDTH_HELP = """The velocity at the released width with fp8 compute: random weights, width 4096 (32 heads of 128,
+MLP 12288), a few blocks, a short sequence, each recipe's velocity against the fp32 one, beside bf16's own drift.
+
+Rows: bf16 (the whole DiT in bf16), fp8_e4m3fn_fast through `torch._scaled_mm` (forced on a CPU), the same weights
+computed in bf16 (what a CPU or a GPU before Ada runs), the loader's fp8_e4m3fn (weights cast with scale 1, bf16
+compute) and core's scale-1 fp8 GEMM (emulated: benchmarks/parts/fp8_recipes.py). Random weights have no outlier
+channels: real activations have, which is where the scale-1 recipe loses most; this bounds the per-row recipe's own
+rounding.
+
+    python benchmarks/quality.py fp8-width [--blocks 2] [--text 32] [--grid 16] [--threads 2]
+"""
+
+
+def width_inputs(config: DiTConfig, text: int, grid: int, seed: int = 1):
+    """One prompt of `text` tokens (no reference) and a `grid` x `grid` target: the DiT's inputs."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.zeros(text, dtype=torch.bool)
+    prefixes = [PrefixInputs(layout=build_layout(slots, (), (grid, grid)),
+                             text=torch.randn(text, config.context_in_dim, generator=g), references=None)]
+    target = torch.randn(1, grid * grid, config.in_channels, generator=g)
+    return target, prefixes
+
+
+def run_fp8_width(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="quality.py fp8-width", description=FP8_WIDTH_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--text", type=int, default=32)
+    parser.add_argument("--grid", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = DiTConfig(num_layers=args.blocks)
+    target, prefixes = width_inputs(config, args.text, args.grid)
+    rows = {"bf16": ("bf16", None, False),
+            "fp8_e4m3fn_fast (_scaled_mm, per-row scales)": ("fp8_e4m3fn_fast", None, True),
+            "fp8_e4m3fn_fast weights computed in bf16": ("fp8_e4m3fn_fast", None, False),
+            "fp8_e4m3fn (weights cast, scale 1; bf16 compute)": ("fp8_e4m3fn", None, False),
+            "core's fp8_e4m3fn_fast (scale 1, emulated)": ("fp8_e4m3fn", scale_one, False)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "qwen_image_2.1_bf16.safetensors"
+        state = tiny.comfy_dit_state_dict(tiny.dit_state_dict(config, seed=0))
+        save_file({k: v.bfloat16() for k, v in state.items()}, str(path))
+        del state
+
+        def velocity(weight_dtype, change=None, forced=False):
+            model = load_dit(path, weight_dtype=weight_dtype)
+            if change is not None:
+                model = change(model)
+            with torch.no_grad(), force_scaled_mm(forced):
+                return model(target.to(model.compute_dtype), torch.tensor([0.6]), prefixes).float()
+
+        tick = time.perf_counter()
+        exact = velocity("fp32")
+        print(f"width {config.width}, {args.blocks} blocks, {args.text} text + {args.grid ** 2} target tokens "
+              f"(fp32: {time.perf_counter() - tick:.1f} s)")
+        print("| recipe | rel. L2 vs fp32 | rel. L2 vs bf16 | max abs vs fp32 / max abs |")
+        print("|---|---|---|---|")
+        bf16 = None
+        for name, (dtype, change, forced) in rows.items():
+            got = velocity(dtype, change, forced)
+            bf16 = got if bf16 is None else bf16
+            to_exact = ((got - exact).norm() / exact.norm()).item()
+            to_bf16 = ((got - bf16).norm() / bf16.norm()).item()
+            peak = ((got - exact).abs().max() / exact.abs().max()).item()
+            print(f"| {name} | {to_exact:.4f} | {to_bf16:.4f} | {peak:.4f} |", flush=True)
 
 
 # -- step-cache: each setting against the exact path, through the nodes ------------------------------------------
@@ -475,7 +620,8 @@ def measure_step_cache(args) -> dict:
     return summary
 
 
-QUESTIONS = {"variants": run_variants, "step-cache": run_step_cache, "accuracy": run_accuracy, "cases": write_cases}
+QUESTIONS = {"variants": run_variants, "step-cache": run_step_cache, "accuracy": run_accuracy, "cases": write_cases,
+             "fp8-lora": run_fp8_lora, "fp8-width": run_fp8_width, "pad-crop": pad_crop.run}
 
 
 def main(argv=None):

@@ -53,8 +53,8 @@ For each reference count it times, interleaving ours and diffusers' calls and ta
 - our uncached/cached time ratio next to the ratio FlopCounterMode predicts for our two forwards.
 
 `--roofline` adds where our cached step's process CPU time goes (GEMMs, attention, norms, RoPE, modulation, copies,
-the rest) and the fraction of this machine's GEMM roofline its GEMMs reach (dit_roofline.py); `--roofline-only` skips
-the comparison.
+the rest) and the fraction of this machine's GEMM roofline its GEMMs reach (parts/dit_roofline.py); `--roofline-only`
+skips the comparison.
 
     python benchmarks/speed.py dit [--layers 4] [--repeats 5] [--threads N] [--roofline | --roofline-only]
 """
@@ -164,7 +164,7 @@ def run_dit():
 
 
 def roofline(args, reference, ours, ReferenceCache) -> None:
-    import dit_roofline
+    from parts import dit_roofline
 
     t = torch.tensor([0.8])
     results, sides = {}, {}

@@ -11,7 +11,7 @@ question a variant: the plain model and the variant interleaved, medians, ratios
 
 `python benchmarks/variants.py QUESTION --help` says what each prints (each question's text below). The files the
 variants are written as (`comfy_tensors`, `write_gguf`, `quantized_file`, `write_lora`) are shared with
-benchmarks/quality.py and benchmarks/gpu_check_formats.py.
+benchmarks/quality.py and benchmarks/parts/gpu_check_formats.py.
 """
 
 import json

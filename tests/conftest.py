@@ -32,7 +32,7 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 @pytest.fixture(scope="module")
 def benchmark_script():
     """`benchmark_script(name)` -> the module benchmarks/<name>.py, with benchmarks/ on `sys.path` for the test module
-    (the scripts import their siblings by name, as when run from benchmarks/)."""
+    (the scripts import their siblings and benchmarks/parts/ by name, as when run from benchmarks/)."""
     folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
     sys.path.insert(0, folder)
     try:

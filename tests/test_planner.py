@@ -320,8 +320,8 @@ def _script(name: str):
 
 
 def test_the_gpu_streaming_benchmark_dry_runs_on_the_cpu(tmp_path, capsys):
-    rows = _script("bench_streaming_gpu").main(["--dry-run", "--steps", "2", "--references", "1",
-                                                 "--json", str(tmp_path / "rows.json")])
+    rows = _script("memory").main(["streaming", "--dry-run", "--steps", "2", "--references", "1",
+                                   "--json", str(tmp_path / "rows.json")])
     assert [r["budget"] for r in rows] == ["resident (no cap)", "simulated: all fits", "simulated: halfway",
                                            "simulated: leanest"]
     assert rows[-1]["plan"]["weights"] == "streamed 0/4" and rows[-1]["plan"]["cache"] == "host"
@@ -329,8 +329,8 @@ def test_the_gpu_streaming_benchmark_dry_runs_on_the_cpu(tmp_path, capsys):
     assert "| refs | budget | weights |" in capsys.readouterr().out and (tmp_path / "rows.json").is_file()
 
 
-def test_the_plan_table_script_prints_every_card():
-    table = _script("plan_table").markdown([8, 80], 64, ["bf16"])
+def test_the_planners_table_for_common_cards_prints_every_card():
+    table = _script("memory").plan_markdown([8, 80], 64, ["bf16"])
     assert "| 8 GB | t2i |" in table and "| 80 GB | edit, 3 refs | resident | resident | device | one-pass |" in table
 
 

@@ -17,7 +17,7 @@ Where a component is in host memory, phase by phase (a GPU; `unified`, a CPU, is
 
 Every figure is above what the process held before loading (the interpreter, torch, ComfyUI), and counts only what
 the pipeline holds: a file's page cache is the kernel's to drop, not anonymous memory (measured with RssAnon,
-benchmarks/host_memory.py). `staging`: the largest tensor converted on the host while it is read (0 when the file's
+benchmarks/memory.py host). `staging`: the largest tensor converted on the host while it is read (0 when the file's
 dtype is the compute dtype).
 
 On a CPU (`unified`) the device is the host: every weight is in host memory while it runs, and each phase adds its

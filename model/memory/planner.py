@@ -23,7 +23,7 @@ off the CPU, and a fixed allowance for cuBLAS workspaces and allocator rounding.
 `PlanError` before any weight moves, naming the smallest memory that would run it and what to change.
 
 Nothing here touches a device: every number comes in through the arguments, so the tables in the README and the
-tests run on any machine (`benchmarks/plan_table.py`).
+tests run on any machine (`benchmarks/memory.py plan-table`).
 """
 
 import math
@@ -40,7 +40,7 @@ MIB = 2**20
 DEVICE_OVERHEAD = 256 * MIB
 #: A forward's transient on a CPU over `estimate_run`'s (which GPU peaks calibrated: its caching allocator reuses
 #: each freed block at once): the process's anonymous memory (RssAnon) grew by 1.95-2.1 x the estimate in a bf16 run
-#: on this pack's CPU (benchmarks/host_memory.py, cpu-bf16, at widths 768 and 1024; docs/measurements.md).
+#: on this pack's CPU (benchmarks/memory.py host, cpu-bf16, at widths 768 and 1024; docs/measurements.md).
 CPU_STEP_FACTOR = 2
 #: What the loader's `plan` input may ask for: the fastest plan that fits, every block resident, every block streamed.
 PLAN_CHOICES = ("auto", "resident", "stream")

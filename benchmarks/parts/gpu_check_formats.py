@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import variants
-from gpu_check_common import Check, dit_calls, rel_diff, table
+from parts.gpu_check_common import Check, dit_calls, rel_diff, table
 from qi21.model.layers.kitchen import gemm_summary
 from qi21.model.layers.linear import Linear
 from qi21.model.loaders.dit import load_dit

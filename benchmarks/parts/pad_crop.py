@@ -8,7 +8,7 @@ Prints per row the output size, where the blue circle lands in the output's own 
 that is from where it was in the input, per seed and on average, and the colour read. `--picture FILE` writes the
 before / after picture of docs/pad-and-crop.md (each output laid over its input at the top-left corner).
 
-    python benchmarks/toy_pad_crop.py [--seeds 4] [--steps 20] [--picture docs/images/pad_crop.png]
+    python benchmarks/quality.py pad-crop [--seeds 4] [--steps 20] [--picture docs/images/pad_crop.png]
 """
 
 import argparse
@@ -88,13 +88,14 @@ def overlay(output: torch.Tensor, source: Image.Image, label: str) -> Image.Imag
     return picture
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run(argv=None):
+    parser = argparse.ArgumentParser(prog="quality.py pad-crop", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--picture", type=Path, default=None, help="write the before / after picture (seed 0)")
     parser.add_argument("--toy", type=Path, default=TOY_DIR)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     with tempfile.TemporaryDirectory() as tmp:
         write_toy_checkpoints(Path(tmp), folder=args.toy)
@@ -136,7 +137,3 @@ def main():
                 sheet.paste(panel, (i * (source.width + 10), 0))
             sheet.convert("RGB").save(args.picture)
             print(f"wrote {args.picture}")
-
-
-if __name__ == "__main__":
-    main()

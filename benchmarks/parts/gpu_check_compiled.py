@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from gpu_check_common import Check, dit_calls, rel_diff, table
+from parts.gpu_check_common import Check, dit_calls, rel_diff, table
 from qi21.model.loaders.lora import clone_tree
 from qi21.model.transformer.compiled import compile_blocks
 from qi21.model.transformer.prefix_cache import PrefixKVCache

@@ -6,11 +6,12 @@ the planner is given that budget, and a short Turbo run (random full-size bf16 D
 1024x1024 references, 75 text tokens) samples under the plan it picks: blocks streamed from pinned host memory on a
 side stream, the prefix cache on the device or the host. The resident run (no cap) is the baseline.
 
-    python benchmarks/bench_streaming_gpu.py [--caps 8 12 16 24] [--references 0 1] [--steps 4] [--json out.json]
-    python benchmarks/bench_streaming_gpu.py --dry-run     # CPU, tiny model: the same code path, for the tests
+    python benchmarks/memory.py streaming [--caps 8 12 16 24] [--references 0 1] [--steps 4] [--json out.json]
+    python benchmarks/memory.py streaming --dry-run     # CPU, tiny model: the same code path, for the tests
 
 Needs about 14 GiB of GPU memory for the uncapped baseline and 14 GiB of pinned host memory. `--dry-run` runs on the
 CPU with a 4-block model and three simulated budgets (all resident, halfway, the leanest plan); no GPU needed.
+gpu_check.py's `streaming` section runs this first, on an empty GPU (its caps limit the whole process).
 """
 
 import argparse
@@ -97,8 +98,9 @@ def budgets(args, model, run, itemsize, device):
     return out
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="memory.py streaming", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--caps", type=float, nargs="+", default=[8, 12, 16, 24], help="GPU memory caps in GiB")
     parser.add_argument("--references", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=4, help="Turbo steps per run (the first N of its 8 sigmas)")
@@ -159,7 +161,3 @@ def main(argv=None) -> list[dict]:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return rows
-
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from gpu_check_common import Check, rel_diff, table
+from parts.gpu_check_common import Check, rel_diff, table
 from qi21.model.layers.fast_gemm import force_int8_engine, force_scaled_mm, scaled_mm_runs_on
 from qi21.model.layers.kitchen import QuantLinear, fp8_rowwise_linears, set_gemm
 from qi21.model.layers.linear import Linear
