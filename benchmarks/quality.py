@@ -1,7 +1,8 @@
 """Quality against the exact path, on the trained toy: what each lossy variant does to its pictures, what each step
 cache setting does (and saves), and whether the toy draws what it is asked. One script, one list of variants.
 
-    python benchmarks/quality.py variants [--steps 40] [--only "int8 cache,Q4_K"] [--threads 2]
+    python benchmarks/quality.py variants [--steps 40] [--only "int8 cache,Q4_K"] [--threads 2] [--cases 2,3]
+                                          [--fp8-keep REGEX ...]   (fp8 with those layers in bf16: the sweep)
     python benchmarks/quality.py step-cache [--models DIR] [--settings t8 t8:0.04 extrapolate ...] [--steps 40] ...
     python benchmarks/quality.py accuracy [--steps 40] [--cfg 4] [--turbo] [--sheet FILE] [--toy DIR]
     python benchmarks/quality.py cases OUT   (the toy's models folder and the cases as a --prompts JSON)
@@ -53,7 +54,7 @@ from safetensors.torch import load_file, save_file
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from parts import pad_crop
-from parts.fp8_recipes import every_linear_fp8, merged_lora_fp8, scale_one
+from parts.fp8_recipes import every_linear_fp8, fp8_except, merged_lora_fp8, scale_one
 from qi21.demo import tiny_checkpoints as tiny
 from qi21.demo.toy_data import random_edit, random_scene
 from qi21.demo.toy_eval import ToyPipeline, analyse, psnr, ssim
@@ -134,7 +135,8 @@ VARIANTS = [
     Variant("fp8 weights (loader fp8_e4m3fn)", lambda pipe, tensors, folder: (pipe.dit(weight_dtype="fp8_e4m3fn"), {})),
     *(_quantized_file(kind) for kind in ("int8_convrot", "fp8", "w4a8", "nvfp4", "mxfp8")),
     # fp8_e4m3fn_fast through torch._scaled_mm (forced: a CPU otherwise dequantizes, the next row), beside core's
-    # scale-1 recipe (emulated) and the same with every Linear in fp8 (why the others stay bf16)
+    # scale-1 recipe (emulated), the same with every Linear in fp8 (why the others stay bf16) and with the q and k rows
+    # in fp8 too (why they stay bf16)
     Variant("fp8_e4m3fn_fast (_scaled_mm, per-row scales)", lambda pipe, tensors, folder: (
         pipe.dit(weight_dtype="fp8_e4m3fn_fast"), {"context": force_scaled_mm})),
     Variant("fp8_e4m3fn_fast weights computed in bf16", lambda pipe, tensors, folder: (
@@ -143,6 +145,8 @@ VARIANTS = [
         scale_one(pipe.load(_plain_file(pipe), "fp8_e4m3fn")), {})),
     Variant("fp8_e4m3fn_fast, every Linear in fp8", lambda pipe, tensors, folder: (
         every_linear_fp8(pipe.load(_plain_file(pipe), "fp8_e4m3fn_fast")), {"context": force_scaled_mm})),
+    Variant("fp8_e4m3fn_fast with q and k in fp8 too", lambda pipe, tensors, folder: (
+        fp8_except(pipe.load(_plain_file(pipe), "bf16")), {"context": force_scaled_mm})),
 ]
 
 
@@ -155,11 +159,21 @@ def run_variants(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--only", default="", help="comma list of variant names (substrings) to run")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cases", default="", help="comma list of case indices to run (default: all)")
+    parser.add_argument("--fp8-keep", nargs="*", default=[], metavar="REGEX",
+                        help="more variants: every block linear in fp8 rowwise (q and k too) but the weights whose "
+                             "names match REGEX (in bf16), the sweep behind the recipe's one exception; e.g. "
+                             "'\\.down\\.' 'blocks\\.0\\.'")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    sweep = [Variant(f"fp8 but {keep} in bf16", lambda pipe, tensors, folder, keep=keep: (
+        fp8_except(pipe.load(_plain_file(pipe), "bf16"), keep), {"context": force_scaled_mm}))
+             for keep in args.fp8_keep]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         runs = cases()
+        if args.cases:
+            runs = [runs[int(i)] for i in args.cases.split(",")]
         pipe, references = toy_pipeline(root, runs)
 
         def images(model, extra):
@@ -176,7 +190,7 @@ def run_variants(argv=None) -> None:
         print("| variant | PSNR mean (dB) | PSNR worst | SSIM mean | SSIM worst | reads the same |")
         print("|---|---|---|---|---|---|")
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        for variant in VARIANTS:
+        for variant in VARIANTS + sweep:
             if wanted and not any(w in variant.name for w in wanted):
                 continue
             try:

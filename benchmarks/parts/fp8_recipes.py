@@ -7,9 +7,14 @@
   unit scales computes, up to the accumulation order.
 - `every_linear_fp8(model)`: a `fp8_e4m3fn_fast` model with its other Linears (embeddings, modulation, output head)
   in fp8 rowwise too: the measurement behind keeping them in bf16.
+- `fp8_except(model, keep)`: a float model with its block linears fp8 rowwise, the q and k rows too, except the
+  layers whose weight names match the regular expression `keep` (left in the model's dtype): the measurement behind
+  the recipe's one exception (`keep=None`: every block linear in fp8, the recipe before q and k stayed in bf16).
 - `merged_lora_fp8(model, lora, strength)`: a float model with a LoRA merged into its weights, then the block linears
   quantized (the alternative to the LoRA branch beside the fp8 GEMM).
 """
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +58,14 @@ def scale_one(model):
 def every_linear_fp8(model):
     """`model` (loaded with fp8_e4m3fn_fast) with every other Linear in fp8 rowwise as well."""
     fp8_rowwise_linears(model, lambda name: True)
+    return model
+
+
+def fp8_except(model, keep: str | None = None):
+    """`model` (a float load) with its block linears fp8 rowwise, q and k rows included, but those matching `keep`."""
+    skip = re.compile(keep) if keep else None
+    fp8_rowwise_linears(model, lambda name: bool(FP8_PARAMS.fullmatch(name)) and not (skip and skip.search(name)),
+                        kept_rows=lambda name, rows: 0)
     return model
 
 

@@ -8,6 +8,13 @@ writes bf16. Core's `fp8_e4m3fn_fast` instead clamps the activations to +-448 an
 per tensor: Qwen's activations reach thousands in places and sit far below 1 in others, so both ends break (core
 issues 9190, 11255; docs/measurements.md has the toy's numbers for both recipes).
 
+Not every row goes to fp8: the query and key rows of each block's fused `qkv` projection stay in the compute dtype
+(`float_rows`). Their products are the attention logits, which softmax turns into weights exponentially, so e4m3's
+3-bit mantissa on those weights moves the attention: on the trained toy, the 5 pictures below 40 dB with every block
+linear in fp8 went from 33.2-39.3 dB to 42.6-51.0 dB with q and k in bf16, while keeping to_out, gate_up or down in
+bf16 instead gained 0-4 dB and q/k computed from bf16 activations (weights still fp8) gained 4 (docs/measurements.md).
+q and k are 2/13 of a block's GEMM FLOPs; the value rows, to_out and the MLP (11/13) multiply in fp8.
+
 fp8 GEMMs exist on NVIDIA GPUs of compute capability 8.9 and up (Ada, Hopper, Blackwell). `torch._scaled_mm` also runs
 on a CPU, slowly; normal runs there (and on MPS, and older GPUs) dequantize the weight before a plain GEMM instead, and
 the run report says so. `force_scaled_mm()` is the test seam that sends CPU runs through `_scaled_mm`, so the numerics
@@ -16,6 +23,7 @@ are checked here.
 Pure torch: no comfy-kitchen needed.
 """
 
+import re
 from contextlib import contextmanager
 
 import torch
@@ -31,6 +39,16 @@ _forced = {"scaled_mm": False, "int8_engine": None}
 # `fp8` section prints both per device); a capability without an entry keeps comfy-kitchen, today's path.
 INT8_ENGINE_BY_CAPABILITY: dict[tuple[int, int], str] = {}
 INT8_ENGINES = ("kitchen", "int_mm")
+
+# the fused q/k/v projection of a DiT or control-net block (their parameter names; see `float_rows`)
+_FUSED_QKV = re.compile(r"(?:.+\.)?blocks\.\d+\.qkv\.weight")
+
+
+def float_rows(name: str, rows: int) -> int:
+    """How many leading rows of the layer whose weight is named `name` (`rows` in all) the fp8 rowwise recipe keeps in
+    the compute dtype: a block's fused qkv projection keeps its q and k rows (the first two thirds; see the module),
+    every other layer none."""
+    return 2 * rows // 3 if _FUSED_QKV.fullmatch(name) else 0
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .fast_gemm import quantize_weight
+from .fast_gemm import float_rows, quantize_weight
 from .formats import GEMM_MODES, format_of, gemm_mode, kitchen
 from .linear import Linear, StoredLinear, row_overlaps
 
@@ -114,22 +114,38 @@ class QuantLinear(_Segmented, StoredLinear):
         return layer
 
     @classmethod
-    def from_fp8_rowwise(cls, weight: torch.Tensor, scale: torch.Tensor, compute: torch.dtype) -> "QuantLinear":
+    def from_fp8_rowwise(cls, weight: torch.Tensor, scale: torch.Tensor, compute: torch.dtype,
+                         leading: torch.Tensor | None = None) -> "QuantLinear":
         """The DiT loader's `weight_dtype = fp8_e4m3fn_fast`: fp8 e4m3 `weight` (N, K) with one fp32 scale per output
-        channel `scale` (N, 1), multiplied by `torch._scaled_mm` where the device has fp8 GEMMs (fast_gemm.py)."""
-        layer = cls(weight.shape[1], weight.shape[0], compute)
-        layer.add_segment("float8_e4m3fn_rowwise", {"weight": weight, "weight_scale": scale}, {},
-                          names={"weight": "weight", "weight_scale": "weight_scale"})
+        channel `scale` (N, 1), multiplied by `torch._scaled_mm` where the device has fp8 GEMMs (fast_gemm.py).
+        `leading`: rows (M, K) before those, kept in `compute` (a fused qkv's q and k: `fast_gemm.float_rows`); then
+        `weight` names no parameter (the layer's `weight` is the logical meta tensor)."""
+        layer = cls(weight.shape[1], weight.shape[0] + (0 if leading is None else leading.shape[0]), compute)
+        if leading is None:
+            layer.add_segment("float8_e4m3fn_rowwise", {"weight": weight, "weight_scale": scale}, {},
+                              names={"weight": "weight", "weight_scale": "weight_scale"})
+            return layer
+        layer.add_segment("float", {"weight": leading.to(compute)}, {})
+        layer.add_segment("float8_e4m3fn_rowwise", {"weight": weight, "weight_scale": scale}, {})
         return layer
 
-    def as_fp8_rowwise(self) -> "QuantLinear":
-        """This layer (of an fp8 file: e4m3 segments with per-tensor scales, or float rows) as one fp8 rowwise
-        segment: e4m3 codes and their scales used as they are (each tensor scale repeated over its rows), other rows
-        quantized per output channel."""
+    @classmethod
+    def fp8_rowwise_from_dense(cls, weight: torch.Tensor, compute: torch.dtype, keep_rows: int = 0) -> "QuantLinear":
+        """A float `weight` (N, K) as an fp8 rowwise layer: its first `keep_rows` rows in `compute`, the others
+        quantized per output channel (from `weight`'s own values, not from a `compute` copy)."""
+        codes, scale = quantize_weight(weight[keep_rows:].detach())
+        return cls.from_fp8_rowwise(codes, scale, compute, weight[:keep_rows].detach() if keep_rows else None)
+
+    def as_fp8_rowwise(self, keep_rows: int = 0) -> "QuantLinear":
+        """This layer (of an fp8 file: e4m3 segments with per-tensor scales, or float rows) as fp8 rowwise: e4m3
+        codes and their scales used as they are (each tensor scale repeated over its rows), other rows quantized per
+        output channel; its first `keep_rows` rows dequantized to the compute dtype instead (`fast_gemm.float_rows`)."""
+        compute = self._logical.dtype
+        leading = self.weight_rows(0, keep_rows, compute) if keep_rows else None
         codes, scales = [], []
-        for seg in self.segments:
-            t = self._tensors(seg, 0)
-            rows = seg.end - seg.start
+        for seg, first, last in self._pieces(keep_rows, self.out_features):
+            t = self._tensors(seg, first, last)
+            rows = last - first
             if seg.fmt == "float8_e4m3fn":
                 scale = t.get("weight_scale")
                 scale = torch.ones((), device=t["weight"].device) if scale is None else scale.reshape(())
@@ -140,7 +156,7 @@ class QuantLinear(_Segmented, StoredLinear):
                 code, scale = quantize_weight(dense)
                 codes.append(code)
                 scales.append(scale)
-        return QuantLinear.from_fp8_rowwise(torch.cat(codes), torch.cat(scales).contiguous(), self._logical.dtype)
+        return QuantLinear.from_fp8_rowwise(torch.cat(codes), torch.cat(scales).contiguous(), compute, leading)
 
 
 class QuantEmbedding(_Segmented):
@@ -171,18 +187,19 @@ class QuantEmbedding(_Segmented):
         return rows.view(*ids.shape, self.embedding_dim)
 
 
-def fp8_rowwise_linears(model: nn.Module, keep) -> int:
+def fp8_rowwise_linears(model: nn.Module, keep, kept_rows=float_rows) -> int:
     """Replace, in place, each dense `Linear` of `model` whose weight's name `keep(name)` accepts by an fp8 rowwise
-    `QuantLinear` (per-channel scales from its weight; computes in the weight's dtype). For weights already in memory:
-    the control net, and the measurements that put other layers in fp8; the DiT loader quantizes while it reads.
+    `QuantLinear` (per-channel scales from its weight; computes in the weight's dtype), its first
+    `kept_rows(name, rows)` rows left in that dtype (the recipe's q and k rows). For weights already in memory: the
+    control net, and the measurements that put other layers in fp8; the DiT loader quantizes while it reads.
     Returns how many were replaced."""
     chosen = [(name, module) for name, module in model.named_modules()
               if isinstance(module, Linear) and not isinstance(module, StoredLinear)
               and keep(f"{name}.weight")]
     for name, module in chosen:
-        codes, scale = quantize_weight(module.weight.detach())
+        rows = kept_rows(f"{name}.weight", module.weight.shape[0])
         parent, _, leaf = name.rpartition(".")
-        layer = QuantLinear.from_fp8_rowwise(codes, scale, module.weight.dtype)
+        layer = QuantLinear.fp8_rowwise_from_dense(module.weight, module.weight.dtype, rows)
         layer.adapters = module.adapters
         setattr(model.get_submodule(parent) if parent else model, leaf, layer)
     return len(chosen)

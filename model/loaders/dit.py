@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..layers.fast_gemm import quantize_weight
+from ..layers.fast_gemm import float_rows, quantize_weight
 from ..layers.formats import GEMM_MODES
 from ..layers.kitchen import QuantLinear, set_gemm
 from ..transformer.dit import DiTConfig, QwenImage21DiT
@@ -52,7 +52,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # shared modulation table and the output head stay in bf16, as they steer every token. The same weights may
 # already be fp8 in a file (plain fp8 releases, without scales); anything else must be a float type.
 FP8_PARAMS = re.compile(r"blocks\.\d+\.(qkv|to_out|gate_up|down)\.weight")
-# fp8_e4m3fn_fast also multiplies the FP8_PARAMS layers in fp8 (layers/fast_gemm.py); the layers above stay in bf16
+# fp8_e4m3fn_fast also multiplies the FP8_PARAMS layers in fp8 (layers/fast_gemm.py), except the q and k rows of
+# each fused qkv, which it keeps in the compute dtype (fast_gemm.float_rows); the layers above stay in bf16
 # for the same reason, and fp8 GEMMs would buy nothing there (one row per sample for the modulation); on the toy,
 # every Linear in fp8 cost 0.9 dB more (docs/measurements.md).
 # It applies to float files and to fp8 files (their codes and scales used as they are), not to other quantized ones.
@@ -220,20 +221,31 @@ def _copy_parts(target: torch.Tensor, keys, read) -> None:
         del part
 
 
-def _quantize_parts(target: torch.Tensor, scale: torch.Tensor, keys, read, device) -> None:
-    """`target` (fp8) filled from the file tensors `keys` quantized per output channel, their scales into `scale`;
-    an fp8 file's own codes are copied with scale 1."""
+def _fp8_rowwise_layer(name: str, shape, keys, read, compute, device) -> QuantLinear:
+    """fp8_e4m3fn_fast on a float (or plain fp8) file's layer, read part by part (each part whole rows): its first
+    `float_rows` rows (a fused qkv's q and k) copied in the compute dtype, the others quantized per output channel
+    (an fp8 file's own codes copied with scale 1)."""
+    keep = float_rows(name, shape[0])
+    leading = torch.empty((keep, shape[1]), dtype=compute, device=device) if keep else None
+    codes = torch.empty((shape[0] - keep, shape[1]), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.ones(codes.shape[0], 1, device=device)
     row = 0
     for key in keys:
         part = read(key)
-        if part.dtype != torch.float8_e4m3fn:
-            part, part_scale = quantize_weight(part.to(device).float())  # e5m2 has no amax on a CPU
-            scale[row : row + part.shape[0]] = part_scale
-        else:
-            part = part.float().clamp_(-FP8_MAX, FP8_MAX)
-        target[row : row + part.shape[0]].copy_(part)
+        head = min(max(keep - row, 0), part.shape[0])
+        if head:
+            leading[row : row + head].copy_(part[:head])
+        rest, at = part[head:], row + head - keep
+        if rest.shape[0]:
+            if rest.dtype != torch.float8_e4m3fn:
+                rest, rest_scale = quantize_weight(rest.to(device).float())  # e5m2 has no amax on a CPU
+                scale[at : at + rest.shape[0]] = rest_scale
+            else:
+                rest = rest.float().clamp_(-FP8_MAX, FP8_MAX)
+            codes[at : at + rest.shape[0]].copy_(rest)
         row += part.shape[0]
-        del part
+        del part, rest
+    return QuantLinear.from_fp8_rowwise(codes, scale, compute, leading)
 
 
 def _deferred(model, plan, file_keys: dict[str, str], raw, compute, where: str) -> FileWeights:
@@ -266,17 +278,17 @@ def _fill(model, plan, file_keys: dict[str, str], reader: WeightReader, compute,
     for name, keys in plan.items():
         if quant is not None and quant.fill_linear(model, name, keys, read, compute, device):
             if fast and FP8_PARAMS.fullmatch(name):
-                _replace_linear(model, name, model.get_submodule(name.rpartition(".")[0]).as_fp8_rowwise())
+                layer = model.get_submodule(name.rpartition(".")[0])
+                _replace_linear(model, name, layer.as_fp8_rowwise(float_rows(name, layer.out_features)))
             continue
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        dtype = torch.float8_e4m3fn if (fp8 or fast) and FP8_PARAMS.fullmatch(name) else compute
-        target = torch.empty(getattr(module, attr).shape, dtype=dtype, device=device)
-        if fast and dtype != compute:
-            scale = torch.ones(target.shape[0], 1, device=device)
-            _quantize_parts(target, scale, keys, read, device)
-            _replace_linear(model, name, QuantLinear.from_fp8_rowwise(target, scale, compute))
+        shape = getattr(module, attr).shape
+        if fast and FP8_PARAMS.fullmatch(name):
+            _replace_linear(model, name, _fp8_rowwise_layer(name, shape, keys, read, compute, device))
             continue
+        dtype = torch.float8_e4m3fn if fp8 and FP8_PARAMS.fullmatch(name) else compute
+        target = torch.empty(shape, dtype=dtype, device=device)
         _copy_parts(target, keys, read)
         if dtype == torch.float8_e4m3fn:
             _replace_linear(model, name, QuantLinear.from_fp8(target, compute))
