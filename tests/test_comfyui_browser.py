@@ -8,7 +8,8 @@ workflows/api/<same name>.json), the preset fills width/height, and a screenshot
 is saved; the same widgets in the Vue node renderer ("Modern node design"), the estimate read-only. A shipped
 workflow is queued from the page: the sampler shows its phase while it runs and its run report (the `qi21_report`
 of /history, formatted by web/qi21_report.js) on the node afterwards, never saved nor queued; a batch shows the
-last of its runs, a re-queue that ComfyUI serves from its cache says so. Skipped when no ComfyUI is configured,
+last of its runs, a re-queue that ComfyUI serves from its cache says so; the pixel-aligned edit (fit = pad)
+queued from the page saves an image of its input's own size. Skipped when no ComfyUI is configured,
 when the `playwright` package is missing, or when no Chromium is installed (the test never downloads a browser).
 
 Test settings besides the server's:
@@ -16,6 +17,7 @@ Test settings besides the server's:
     QI21_SCREENSHOT_DIR   also copy the screenshots there (they are always written under pytest's tmp_path)
 """
 
+import io
 import json
 import os
 import re
@@ -460,6 +462,37 @@ def test_run_report_on_the_sampler_node(browser_page, screenshot_dirs):
         page.evaluate(f"async (value) => app.extensionManager.setting.set('{setting}', value)", vue_before)
     ours = [m for m in messages[first_message:] if "Qwen-Image 2.1" in m or m.startswith("pageerror")]
     assert not ours, "\n".join(ours)
+
+
+def test_the_pixel_aligned_edit_queued_from_the_page_keeps_the_input_s_size(browser_page, comfyui_server):
+    """workflows/edit_pixel_aligned.json (Reference fit = pad, sampler width/height 0) queued from the page on a
+    270x262 picture: the report has the crop box and the saved image is 270x262 (the API run of the same workflow is
+    in tests/test_comfyui_server.py)."""
+    import numpy as np
+    from PIL import Image
+
+    page, _ = browser_page
+    workflow = json.loads((harness.REPO / "workflows" / "edit_pixel_aligned.json").read_text())
+    ids = {n["type"]: str(n["id"]) for n in workflow["nodes"]}
+    picture = "qi21_pad_270x262_from_the_page.png"
+    pixels = np.random.default_rng(5959).integers(0, 256, (262, 270, 3), dtype=np.uint8)
+    Image.fromarray(pixels, "RGB").save(comfyui_server.base / "input" / picture)
+    assert page.evaluate(LOAD, [workflow, "run_edit_pixel_aligned.json"]) == []
+    assert page.evaluate(SET_WIDGET, [ids["LoadImage"], "image", picture])["image"] == picture
+    steps = RUN_WIDGETS["steps"]  # only the steps: width/height stay 0, the size the Reference pads to
+    assert page.evaluate(SET_WIDGET, [ids["QI21Sampler"], "steps", steps])["steps"] == steps
+    page.evaluate(RECORD_REPORT, ids["QI21Sampler"])
+
+    page.evaluate(QUEUE, 1)
+    _wait_for_report(page, ids["QI21Sampler"], "prefix tokens")
+    prompt_id = next(e["detail"]["prompt_id"] for e in page.evaluate("() => window.__qi21.seen")
+                     if e["type"] == "execution_start")
+    entry = comfyui_server.get_json(f"/history/{prompt_id}")[prompt_id]
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    (report,) = page.evaluate(HISTORY_SUMMARY, [prompt_id, ids["QI21Sampler"], harness.pack_dir_name()])["reports"]
+    assert report.get("crop") == {"box": [0, 0, 270, 262], "canvas": [288, 288]} and report["steps"] == steps, report
+    (image,) = entry["outputs"][ids["SaveImage"]]["images"]
+    assert Image.open(io.BytesIO(comfyui_server.view(image))).size == (270, 262)
 
 
 #: The sampler nodes' widgets as the Vue renderer draws them: {node id: {"preset": aria label found,
