@@ -248,14 +248,14 @@ def toy(tmp_path_factory):
     return ToyPipeline(root)
 
 
-def toy_edit(toy, fit, seed=0, steps=20):
+def toy_edit(toy, fit, seed=0, steps=20, centre=(90, 80)):
     from qi21.demo.toy_eval import analyse
     from qi21.model.encoders.canvas import crop_images
     from qi21.model.encoders.pipeline import decode_images, encode_prepared, encode_prompt
     from qi21.model.sampling.loop import sample
     from qi21.model.sampling.schedule import base_sigmas
 
-    prepared = prepare_reference(circle_picture(), resolution=0, fit=fit)
+    prepared = prepare_reference(circle_picture(centre=centre), resolution=0, fit=fit)
     positive = encode_prompt(toy.text_encoder, "make the circle blue", (encode_prepared(toy.vae, prepared),))
     target = padded_target(positive.ref_shapes, positive.ref_crops, 0, 0)
     (width, height), box = target or ((prepared.width, prepared.height), None)
@@ -280,6 +280,20 @@ def test_on_the_toy_a_padded_edit_lays_over_its_input(toy):
     assert today_colour == colour == "blue"
     today_off, padded_off = (float(np.hypot(*np.subtract(shape_centre(image), source))) for image in (today, padded))
     assert today_off > 4.5 and padded_off < today_off - 1.0  # 5.0 and 3.7 px when this was written
+
+
+@needs_toy
+def test_on_the_toy_a_circle_where_it_learnt_to_draw_stays_within_its_floor(toy):
+    """The same edit with the circle at (198, 132), a place the toy was trained to draw at ("on the right", jittered
+    by (6, 4)): there the toy redraws a circle on its own 256x256 canvas 1.5-4.1 px from where it was (seeds 0-3,
+    docs/pad-and-crop.md), and the padded edit lands as near (1.7 px at seed 0), while today's resampled output is
+    10 px off: 270 -> 256 moves x = 198 by 10 px."""
+    source = shape_centre(torch.from_numpy(np.array(circle_picture(centre=(198, 132)))).float() / 255)
+    today, today_colour = toy_edit(toy, "resize", centre=(198, 132))
+    padded, colour = toy_edit(toy, "pad", centre=(198, 132))
+    assert padded.shape[:2] == (262, 270) and today_colour == colour == "blue"
+    today_off, padded_off = (float(np.hypot(*np.subtract(shape_centre(image), source))) for image in (today, padded))
+    assert today_off > 7.0 and padded_off < 3.0, (today_off, padded_off)  # 10.3 and 1.7 px when this was written
 
 
 @needs_toy
