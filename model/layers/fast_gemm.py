@@ -12,7 +12,8 @@ Not every row goes to fp8: the query and key rows of each block's fused `qkv` pr
 (`float_rows`). Their products are the attention logits, which softmax turns into weights exponentially, so e4m3's
 3-bit mantissa on those weights moves the attention: on the trained toy, the 5 pictures below 40 dB with every block
 linear in fp8 went from 33.2-39.3 dB to 42.6-51.0 dB with q and k in bf16, while keeping to_out, gate_up or down in
-bf16 instead gained 0-4 dB and q/k computed from bf16 activations (weights still fp8) gained 4 (docs/measurements.md).
+bf16 instead raised the worst by 1-3.5 dB, and qkv computed from bf16 activations (weights still fp8) by 4: it is the
+weights' rounding (docs/measurements.md).
 q and k are 2/13 of a block's GEMM FLOPs; the value rows, to_out and the MLP (11/13) multiply in fp8.
 
 fp8 GEMMs exist on NVIDIA GPUs of compute capability 8.9 and up (Ada, Hopper, Blackwell). `torch._scaled_mm` also runs
