@@ -184,21 +184,29 @@ def comfy_tensors(model: QwenImage21DiT) -> dict[str, torch.Tensor]:
             for key, part in zip(keys, state[name].chunk(len(keys)))}
 
 
+def _min_max_sub_blocks(sub: np.ndarray, levels: int, scale_levels: int):
+    """Plain min/max k-quant of sub-blocks `(blocks, n, size)`: each sub-block's step and minimum as integer
+    multiples (0..`scale_levels`) of the block's fp16 `d` and `dmin`, its values as codes 0..`levels`.
+    Returns d, dmin (fp16, per block), sc, mn (uint8, per sub-block) and q (uint8 codes)."""
+    low = np.minimum(sub.min(-1), 0)
+    step = (sub.max(-1) - low) / levels
+    d = (step.max(-1) / scale_levels).astype(np.float16)
+    dmin = (-low.min(-1) / scale_levels).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.clip(np.rint(step / d32), 0, scale_levels), 0).astype(np.uint8)
+        mn = np.where(dmin32 > 0, np.clip(np.rint(-low / dmin32), 0, scale_levels), 0).astype(np.uint8)
+        scale, offset = (d32 * sc)[..., None], (dmin32 * mn)[..., None]
+        q = np.where(scale > 0, np.clip(np.rint((sub + offset) / scale), 0, levels), 0).astype(np.uint8)
+    return d, dmin, sc, mn, q
+
+
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """`(rows, cols)` fp32, cols a multiple of 256 -> Q4_K blocks `(rows, cols / 256 * 144)` uint8: per 32-element
     sub-block a 6-bit scale and min (of the block's fp16 d and dmin), 4-bit quants (llama.cpp's block layout)."""
     rows = x.shape[0]
     sub = x.reshape(-1, 8, 32).astype(np.float32)
-    low = np.minimum(sub.min(-1), 0)
-    step = (sub.max(-1) - low) / 15
-    d = (step.max(-1) / 63).astype(np.float16)
-    dmin = (-low.min(-1) / 63).astype(np.float16)
-    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d32 > 0, np.clip(np.rint(step / d32), 0, 63), 0).astype(np.uint8)
-        mn = np.where(dmin32 > 0, np.clip(np.rint(-low / dmin32), 0, 63), 0).astype(np.uint8)
-        scale, offset = (d32 * sc)[..., None], (dmin32 * mn)[..., None]
-        q = np.where(scale > 0, np.clip(np.rint((sub + offset) / scale), 0, 15), 0).astype(np.uint8)
+    d, dmin, sc, mn, q = _min_max_sub_blocks(sub, 15, 63)
     scales = np.empty((sub.shape[0], 12), np.uint8)
     scales[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
@@ -216,16 +224,7 @@ def quantize_q2_k(x: np.ndarray) -> np.ndarray:
     quants, at bit 2 ((k % 8) // 2), as llama.cpp's dequantizer reads them."""
     rows = x.shape[0]
     sub = x.reshape(-1, 16, 16).astype(np.float32)
-    low = np.minimum(sub.min(-1), 0)
-    step = (sub.max(-1) - low) / 3
-    d = (step.max(-1) / 15).astype(np.float16)
-    dmin = (-low.min(-1) / 15).astype(np.float16)
-    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d32 > 0, np.clip(np.rint(step / d32), 0, 15), 0).astype(np.uint8)
-        mn = np.where(dmin32 > 0, np.clip(np.rint(-low / dmin32), 0, 15), 0).astype(np.uint8)
-        scale, offset = (d32 * sc)[..., None], (dmin32 * mn)[..., None]
-        q = np.where(scale > 0, np.clip(np.rint((sub + offset) / scale), 0, 3), 0).astype(np.uint8)
+    d, dmin, sc, mn, q = _min_max_sub_blocks(sub, 3, 15)
     qs = np.zeros((sub.shape[0], 64), np.uint8)
     for k in range(16):
         at = 32 * (k // 8) + 16 * (k % 2)
