@@ -561,10 +561,13 @@ def train(out: Path, recipe: str = "moreedits", log=print, resume: Path | None =
     return record
 
 
-def check(folder: Path, log=print) -> bool:
+def check(folder: Path, log=print, into: Path | None = None) -> bool:
     """Whether a rebuild gives the same bytes as `folder`: its training log names the recipe, the precision and the
-    SHA-256 of every file; the same run from scratch into a temporary folder is compared, file by file, with the
-    files in `folder` (and the log with them: a file changed since its log was written is named too)."""
+    SHA-256 of every file; the same run from scratch into a temporary folder (or `into`, kept) is compared, file by
+    file, with the files in `folder` (and the log with them: a file changed since its log was written is named too).
+
+    fp32 results are the same run to run on one machine but depend on the CPU's kernels (AVX2 and AVX-512 sum in
+    other orders): the log records the CPU capability it was made with, and a different one here is said first."""
     path = Path(folder) / LOG_FILE
     if not path.is_file():
         raise SystemExit(f"--check: {path} is missing: a folder written by this script holds it")
@@ -578,10 +581,14 @@ def check(folder: Path, log=print) -> bool:
     for name, digest in sorted(recorded.items()):
         if here[name] != digest:
             log(f"{name}: the file in {folder} is {'missing' if here[name] is None else 'not what its log records'}")
+    made_on, here_cpu = record.get("cpu"), torch.backends.cpu.get_cpu_capability()
+    if made_on and made_on != here_cpu:
+        log(f"note: {path} was made on a CPU with {made_on} kernels and this one runs {here_cpu}: fp32 sums in "
+            f"another order on other kernels, so other bytes are expected here (the same bytes need {made_on})")
     log(f"rebuilding recipe {record['recipe']} in {precision} (the committed recipe takes ~1 h on 2 cores)")
+    command = f"python demo/train_toy.py --check {folder}" + (f" --out {into}" if into else "")
     with tempfile.TemporaryDirectory() as tmp:
-        rebuilt = train(Path(tmp), record["recipe"], log, precision=precision,
-                        command=f"python demo/train_toy.py --check {folder}")["sha256"]
+        rebuilt = train(Path(into or tmp), record["recipe"], log, precision=precision, command=command)["sha256"]
     same = True
     for name in sorted(recorded):
         ok = here[name] is not None and here[name] == rebuilt.get(name)
@@ -594,7 +601,8 @@ def check(folder: Path, log=print) -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=TOY_DIR, help="where the files go (default demo/toy/)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the files go (default demo/toy/; with --check: keep the rebuilt files there)")
     parser.add_argument("--quick", action="store_true",
                         help="a few steps of every phase (tests, smoke runs); default: the recipe of the committed "
                              "files (moreedits; docs/toy-model.md has the recipes tried before it)")
@@ -613,9 +621,9 @@ def main(argv=None) -> int:
     if args.check is not None:
         if args.quick or args.resume or args.stage1 or args.precision != "fp32":
             parser.error("--check takes the recipe and precision from DIR's training log: give it alone")
-        return 0 if check(args.check, log) else 1
+        return 0 if check(args.check, log, into=args.out) else 1
     command = " ".join(["python demo/train_toy.py", *(sys.argv[1:] if argv is None else argv)])
-    train(args.out, "quick" if args.quick else "moreedits", log=log, resume=args.resume, stage1=args.stage1,
+    train(args.out or TOY_DIR, "quick" if args.quick else "moreedits", log=log, resume=args.resume, stage1=args.stage1,
           command=command, precision=args.precision)
     return 0
 

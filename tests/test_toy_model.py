@@ -162,6 +162,35 @@ def test_the_check_names_a_file_whose_bytes_differ_from_the_rebuild(tmp_path, mo
         train_toy.check(folder)
 
 
+def test_the_check_keeps_its_rebuild_where_asked_and_says_when_the_cpu_differs(tmp_path, monkeypatch):
+    """`--check DIR --out KEEP` rebuilds into KEEP and leaves the files there (to look at when bytes differ); a log
+    made on a CPU with other kernels (AVX2 against AVX-512: fp32 sums in another order) is named before the rebuild,
+    and a log made on this CPU's kernels is not."""
+    from qi21.demo import train_toy
+
+    def rebuild(out, recipe, log, **kwargs):
+        (out / toy_model.VAE_FILE).write_bytes(b"vae")
+        return {"sha256": {toy_model.VAE_FILE: train_toy.sha256(out / toy_model.VAE_FILE)}}
+
+    monkeypatch.setattr(train_toy, "train", rebuild)
+    folder, kept = tmp_path / "dir", tmp_path / "kept"
+    folder.mkdir()
+    kept.mkdir()
+    rebuild(folder, "quick", None)
+    here = torch.backends.cpu.get_cpu_capability()
+    for made_on, noted in ((here, False), ("another ISA", True)):
+        log = {"recipe": "quick", "precision": "fp32", "cpu": made_on,
+               "sha256": {toy_model.VAE_FILE: train_toy.sha256(folder / toy_model.VAE_FILE)}}
+        (folder / toy_model.LOG_FILE).write_text(json.dumps(log))
+        lines = []
+        assert train_toy.check(folder, log=lines.append, into=kept)
+        assert any(line.startswith("note:") and "another ISA" in line and here in line for line in lines) == noted
+        assert (kept / toy_model.VAE_FILE).read_bytes() == b"vae"
+    (kept / toy_model.VAE_FILE).unlink()
+    assert train_toy.main(["--check", str(folder), "--out", str(kept)]) == 0
+    assert (kept / toy_model.VAE_FILE).read_bytes() == b"vae"
+
+
 def test_the_committed_log_describes_the_committed_files():
     """The recipe in the code is the one the committed log records, and its SHA-256 are the committed files'."""
     from qi21.demo import train_toy
