@@ -23,6 +23,8 @@ from PIL import Image
 import qi21_comfy_harness as harness  # tests/comfyui/, on sys.path through pyproject's pytest `pythonpath`
 
 WORKFLOWS = harness.API_WORKFLOW_FOLDER
+CLIENT_ID = "qi21-parallel"
+client = harness.deploy_module("qi21_client")  # its websocket reader: the tests wait for a prompt's progress
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def finished(server, prompt_id: str, timeout: float = 300) -> dict:
 
 
 def queue(server, prompt: dict) -> str:
-    return server.post_json("/prompt", {"prompt": prompt, "client_id": "qi21-parallel"})["prompt_id"]
+    return server.post_json("/prompt", {"prompt": prompt, "client_id": CLIENT_ID})["prompt_id"]
 
 
 @pytest.fixture(scope="module")
@@ -108,20 +110,29 @@ def test_a_split_prompt_draws_what_one_process_draws_and_keeps_its_workers(serve
     assert again["status"]["status_str"] == "success" and workers(server) == pids
 
 
-def wait_for_steps(server):
-    """Until the long prompt is past its model load and first steps: it runs, then a few seconds (a tiny model loads
-    in well under a second; the whole run takes about a minute)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not server.get_json("/queue")["queue_running"]:
-        time.sleep(0.2)
-    time.sleep(6)
+def queue_and_wait_for_a_step(server, prompt: dict) -> str:
+    """Queue `prompt` and return once the server has announced its first finished denoising step (a `progress`
+    message with value >= 1 on the websocket of the client that queued it): a worker killed or an interrupt sent then
+    lands in the middle of sampling, whatever the machine's pace (a fixed wait of a few seconds did not, on two loaded
+    cores, for this 2048x2048 prompt)."""
+    seat = client.Seat(server.url, CLIENT_ID, {}, timeout=120)  # opened first: progress is not replayed
+    try:
+        prompt_id = queue(server, prompt)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            message = seat.message()
+            if message and message.get("type") == "progress" and message["data"].get("prompt_id") == prompt_id \
+                    and message["data"]["value"] >= 1:
+                return prompt_id
+        raise AssertionError(f"prompt {prompt_id} announced no finished step within 300 s.\n{server.log_tail()}")
+    finally:
+        seat.close()
 
 
 def test_interrupt_stops_the_ranks_and_keeps_them(server, turbo, long_base):
     server.run_prompt(split(turbo))  # the Base model loads on the first Base prompt; the pool exists
     pids = workers(server)
-    prompt_id = queue(server, long_base)
-    wait_for_steps(server)
+    prompt_id = queue_and_wait_for_a_step(server, long_base)
     server.post_json("/interrupt", {})
     entry = finished(server, prompt_id)
     assert any(kind == "execution_interrupted" for kind, _ in entry["status"]["messages"]), entry["status"]
@@ -133,8 +144,7 @@ def test_a_killed_worker_is_named_and_the_next_prompt_starts_clean_ones(server, 
     reference = image(server, server.run_prompt(turbo))
     server.run_prompt(split(turbo))
     pids = workers(server)
-    prompt_id = queue(server, long_base)
-    wait_for_steps(server)
+    prompt_id = queue_and_wait_for_a_step(server, long_base)
     os.kill(pids[1], signal.SIGKILL)
     entry = finished(server, prompt_id)
     errors = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]

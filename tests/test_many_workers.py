@@ -14,7 +14,6 @@ install haproxy); without either it skips. It shows, in one run (figures printed
 """
 
 import copy
-import importlib.util
 import io
 import json
 import math
@@ -36,15 +35,8 @@ BALANCE_FACTOR = 125  # deploy/haproxy.cfg's hash-balance-factor
 SETS, INSTRUCTIONS = 4, ["at dawn", "at noon", "in the rain", "in the snow", "at night", "in thick fog"]
 
 
-def deploy_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"qi21_deploy_{name}", REPO / "deploy" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-start_workers = deploy_module("start_workers")
-client = deploy_module("qi21_client")
+start_workers = harness.deploy_module("start_workers")
+client = harness.deploy_module("qi21_client")
 
 
 # -- the config (CI) --------------------------------------------------------------------------------------------

@@ -105,6 +105,15 @@ def load_pack():
     return helper.import_pack(PACKAGE)
 
 
+def deploy_module(name: str):
+    """deploy/<name>.py as a module (deploy/ is a folder of scripts, not a package): the many-workers tests drive its
+    start_workers and client, the parallel tests read a prompt's progress through the client's websocket."""
+    spec = importlib.util.spec_from_file_location(f"qi21_deploy_{name}", REPO / "deploy" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_checkpoint_writer():
     load_pack()
     if not (REPO / "demo" / "tiny_checkpoints.py").is_file():
