@@ -113,7 +113,7 @@ def test_cfg_with_the_prefix_cache_draws_what_it_draws_without(pipe):
 def test_the_training_script_is_deterministic_and_its_check_sees_the_same_bytes(tmp_path):
     """A quick run (a few steps of every phase) logs the SHA-256 of every file it wrote; `check` rebuilds it from
     that log and finds the same bytes; a third run that loads the first's VAE and stage-1 DiT writes them too: the
-    full run rebuilds the committed files the same way on the same torch build and thread count."""
+    full run rebuilds the committed files the same way on the same torch build, thread count and CPU kernels."""
     from qi21.demo import train_toy
 
     record = train_toy.train(tmp_path / "a", "quick", log=lambda line: None)
