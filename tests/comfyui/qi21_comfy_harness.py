@@ -318,16 +318,26 @@ class ComfyServer:
         raise AssertionError(f"prompt {prompt_id} did not finish within {timeout} s.\n{self.log_tail()}")
 
     def free(self, **flags) -> None:
-        """POST /free while the prompt worker is idle, and give it a moment to apply the flags.
+        """POST /free and return once ComfyUI has applied the flags.
 
-        The worker reads the flags after each prompt and when woken up; a wake-up sent while it is still busy
-        with its after-prompt housekeeping (reading the flags, garbage collection) is lost, and then the next
-        queued prompt runs before the flags are applied. Hence the pause before and after. (Queuing some other
-        prompt to flush them would not do: a new prompt drops ComfyUI's cached outputs of nodes it lacks.)
-        Callers check the effect: the next prompt's `execution_cached` message."""
+        The worker reads the flags after each prompt and when woken up; a wake-up sent while it is still busy with
+        its after-prompt housekeeping (garbage collection, which can take seconds on a loaded machine) is lost, and
+        then the next queued prompt runs before the flags are applied. With `free_memory` (the node caches are
+        dropped anyway) a one-node prompt is queued after the flags and waited for: the flags are read at the end of
+        that prompt at the latest, before any later prompt starts. Without it (ComfyUI's "Unload Models", which keeps
+        the node outputs that a flushing prompt would drop), pauses before and after are all there is. Callers check
+        the effect: the next prompt's `execution_cached` message."""
         time.sleep(1.5)
         self.post_json("/free", flags)
-        time.sleep(1.5)
+        if not flags.get("free_memory"):
+            time.sleep(1.5)
+            return
+        self.flushes = getattr(self, "flushes", 0) + 1  # another colour each time: the node runs, not from cache
+        flush = {"1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1,
+                                                              "color": self.flushes}},
+                 "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}}
+        entry = self.run_prompt(flush)
+        assert entry["status"]["status_str"] == "success", f"the prompt queued after /free failed: {entry['status']}"
 
     def view(self, image: dict) -> bytes:
         query = urllib.parse.urlencode({k: image.get(k, "") for k in ("filename", "subfolder", "type")})
