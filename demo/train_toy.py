@@ -46,6 +46,7 @@ the files bit for bit; another thread count changes the float sums and so the fi
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -587,8 +588,8 @@ def check(folder: Path, log=print, into: Path | None = None) -> bool:
             f"another order on other kernels, so other bytes are expected here (the same bytes need {made_on})")
     log(f"rebuilding recipe {record['recipe']} in {precision} (the committed recipe takes ~1 h on 2 cores)")
     command = f"python demo/train_toy.py --check {folder}" + (f" --out {into}" if into else "")
-    with tempfile.TemporaryDirectory() as tmp:
-        rebuilt = train(Path(into or tmp), record["recipe"], log, precision=precision, command=command)["sha256"]
+    with contextlib.nullcontext(into) if into else tempfile.TemporaryDirectory() as out:
+        rebuilt = train(Path(out), record["recipe"], log, precision=precision, command=command)["sha256"]
     same = True
     for name in sorted(recorded):
         ok = here[name] is not None and here[name] == rebuilt.get(name)

@@ -209,6 +209,7 @@ class ComfyServer:
         self.port = None
         self.proc = None
         self.standins: list[str] = []
+        self.flushes = 0  # prompts queued by free() to make ComfyUI apply /free's flags
 
     @property
     def url(self) -> str:
@@ -332,7 +333,7 @@ class ComfyServer:
         if not flags.get("free_memory"):
             time.sleep(1.5)
             return
-        self.flushes = getattr(self, "flushes", 0) + 1  # another colour each time: the node runs, not from cache
+        self.flushes += 1  # another colour each time: the node runs, not from cache
         flush = {"1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1,
                                                               "color": self.flushes}},
                  "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}}
