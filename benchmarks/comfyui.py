@@ -177,7 +177,7 @@ class Prompts:
 
 def flop_prediction(weights: dict, config: DiTConfig, prefix_tokens: int) -> float:
     """Uncached over cached FLOPs of our DiT at these shapes (speed.flops: GEMMs and attention)."""
-    from qi21.model.transformer.prefix_cache import PrefixKVCache
+    from qi21.model.prefix_cache.layout import PrefixKVCache
 
     model = QwenImage21DiT(config).eval()
     model.load_state_dict(convert_state_dict(weights))

@@ -49,11 +49,11 @@ from qi21.model.memory.estimate import GIB, VAEShape, decode_transient
 from qi21.model.memory.planner import Budget, RunShape, plan_run
 from qi21.model.memory.streaming import StreamedRun
 from qi21.model.memory.weights import dit_weights
+from qi21.model.prefix_cache.layout import PrefixKVCache
+from qi21.model.prefix_cache.storage_formats import cache_storage
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import base_sigmas, turbo_sigmas
-from qi21.model.transformer.cache_storage import cache_storage
 from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.model.vae.autoencoder import QwenImage21VAE, QwenImage21VAEConfig, VAETiling
 from qi21.model.vae.latents import RELEASED_LATENT_FORMAT
 

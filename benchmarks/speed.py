@@ -31,13 +31,13 @@ from torch.utils.flop_counter import FlopCounterMode
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.loaders.dit_keys import convert_state_dict
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+from qi21.model.prefix_cache.layout import PrefixKVCache
+from qi21.model.prefix_cache.leading_runs import prefix_runs
+from qi21.model.prefix_cache.lifecycle import share_leading_runs
 from qi21.model.sampling.loop import initial_noise, sample
-from qi21.model.sampling.run_caches import share_leading_runs
 from qi21.model.sampling.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
-from qi21.model.transformer.prefix_cache import PrefixKVCache
-from qi21.model.transformer.prefix_runs import prefix_runs
 
 # -- dit ---------------------------------------------------------------------------------------------------------------
 DIT_HELP = """\

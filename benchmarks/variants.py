@@ -36,13 +36,13 @@ from qi21.model.loaders.dit import load_dit
 from qi21.model.loaders.dit_keys import file_plan
 from qi21.model.loaders.lora import apply_lora, clone_tree
 from qi21.model.memory.planner import RunShape, run_estimate
+from qi21.model.prefix_cache.layout import PrefixKVCache
+from qi21.model.prefix_cache.storage_formats import cache_storage
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import base_sigmas
-from qi21.model.transformer.cache_storage import cache_storage
 from qi21.model.transformer.compiled import compile_blocks
 from qi21.model.transformer.controlnet import ControlNetConfig, FunControlNet
 from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 from speed import TARGET, build_inputs, build_models, cpu_bench_args, flops
 
 # -- lora --------------------------------------------------------------------------------------------------------------
@@ -459,7 +459,7 @@ def run_quantized():
 
 # -- cache-quant -------------------------------------------------------------------------------------------------------
 CACHE_QUANT_HELP = """\
-The int8 / int4 prefix cache (model/transformer/cache_storage.py): bytes, error and CPU speed, in one run.
+The int8 / int4 prefix cache (model/prefix_cache/storage_formats.py): bytes, error and CPU speed, in one run.
 
 1. Bytes, scales included, against the bf16 cache: the planner's figure for the full model (32 layers, 32 heads of
    128) at 1024x1024, t2i (75 tokens) and a 3-reference edit (3 x 4096 + 75 tokens); and the bytes a real cache

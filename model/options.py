@@ -24,7 +24,7 @@ from .loaders.checkpoint import WEIGHT_DTYPES
 from .loaders.lora import clone_tree
 from .memory.planner import PLAN_CHOICES
 from .parallel.split import PARALLEL_MODES, SplitModel
-from .sampling.cache_options import CacheOptions, check_cache_storage
+from .prefix_cache.storage_choice import CacheOptions, check_cache_storage
 from .sampling.step_cache import StepCacheOptions
 from .transformer.compiled import COMPILE_MODES
 
@@ -45,7 +45,7 @@ FEATURES = {
 class ModelOptions:
     """Everything that rides on one model copy; the defaults are a plain model as loaded with default inputs."""
 
-    cache: CacheOptions = CacheOptions()  # the Prefix Cache node (sampling/cache_options.py)
+    cache: CacheOptions = CacheOptions()  # the Prefix Cache node (prefix_cache/storage_choice.py)
     step_cache: StepCacheOptions | None = None  # the Step Cache node (sampling/step_cache.py); None: off
     control: str | None = None  # the Fun ControlNet applied (its file name); the stream is the copy's `control`
     compile: str = "off"  # transformer/compiled.py's COMPILE_MODES

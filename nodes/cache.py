@@ -1,9 +1,9 @@
 """The prefix-cache options node: where the cache lives and how it stores its rows, with core's `QwenImage21Cache`
-vocabulary (model/sampling/cache_options.py). Like the LoRA and ControlNet nodes it returns a model copy that
+vocabulary (model/prefix_cache/storage_choice.py). Like the LoRA and ControlNet nodes it returns a model copy that
 shares every weight; both samplers (and a ComfyUI SAMPLER through them) read the options from the model."""
 
 from ..model.options import with_cache_options
-from ..model.transformer.cache_storage import CACHE_DEVICES, CACHE_DTYPES
+from ..model.prefix_cache.storage_formats import CACHE_DEVICES, CACHE_DTYPES
 from .bridge import io
 from .types import CATEGORY, Model
 from .validation import refuse_unknown_inputs, require, widget_problem

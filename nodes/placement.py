@@ -23,7 +23,7 @@ from ..model.memory.planner import PLAN_CHOICES, Budget, RunShape, plan_decode, 
 from ..model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
 from ..model.memory.weights import dit_weights, layered_weights, module_tensors, run_layers, tensor_bytes
 from ..model.options import options_of
-from ..model.sampling.cache_store import PrefixCacheStore, cache_owner
+from ..model.prefix_cache.kept_entries import PrefixCacheStore, cache_owner
 from ..model.transformer.controlnet import STREAM_ROW_BUFFERS
 from ..model.vae.latents import latent_shape
 from . import bridge
@@ -138,7 +138,7 @@ def run_shape(model, positive, negative, width: int, height: int, batch: int, pr
     conditionings = [positive] + ([negative] if negative is not None else [])
     control, layers = getattr(model, "control", None), model.config.num_layers
     cache_layers = None
-    if control is not None:  # its blocks' K/V, and a partial window's plain cache beside (run_caches.py)
+    if control is not None:  # its blocks' K/V, and a partial window's plain cache beside (prefix_cache/lifecycle.py)
         cache_layers = layers + control.net.config.num_blocks + (0 if control.whole_schedule else layers)
     steps = options_of(model).step_cache  # None: no step cache
     return RunShape(tuple(c.layout(grid).prefix_len for c in conditionings), grid, batch, negative is not None,

@@ -11,8 +11,8 @@ import torch
 
 from qi21.demo import tiny_checkpoints as tiny
 from qi21.model.encoders.conditioning import Conditioning
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.transformer.dit import QwenImage21DiT
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.model.vae.autoencoder import QwenImage21VAE
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
 from qi21.nodes.placement import KEPT_CACHES

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dit_fixtures import make_case, tiny_pair
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.transformer.hooks import CONTROL, INTERRUPT, STEP_CACHE, BlockHook, EveryBlock, Finish
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 TOL = 2e-5
 CASES = {

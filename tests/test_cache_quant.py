@@ -1,4 +1,4 @@
-"""The prefix cache stored in int8 / int4 (transformer/cache_storage.py, comfy-kitchen's layouts): every way the cache
+"""The prefix cache stored in int8 / int4 (prefix_cache/storage_formats.py, comfy-kitchen): every way the cache
 is reused (kept, partial, CFG's shared rows, a batch, the host-side cache, the Fun ControlNet's layers) gives the
 same latents as the same run with a fresh quantized cache (the same bytes where the sums are the same, else float
 rounding: tests/tolerances.py; fp32 tiny models); a quantized cache is reused
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from qi21.model.memory.estimate import GIB
-from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.memory.planner import Budget, RunShape, plan_run, run_estimate
 from qi21.model.memory.weights import synthetic_dit_weights
 from qi21.model.options import options_of, with_cache_options
-from qi21.model.sampling.cache_store import PrefixCacheStore, cache_owner
+from qi21.model.prefix_cache.host_moves import HostPrefixKVCache
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore, cache_owner
+from qi21.model.prefix_cache.storage_formats import QuantizedRows, cache_row_bytes, cache_storage
 from qi21.model.sampling.loop import initial_noise
-from qi21.model.transformer.cache_storage import QuantizedRows, cache_row_bytes, cache_storage
 from qi21.model.transformer.dit import DiTConfig
 from test_controlnet_cache import conditioning as control_conditioning, controlled, net, pair, run as control_run, vae  # noqa: F401  (module fixtures)
 from test_prefix_reuse import GRID, HEIGHT, WIDTH, edit, rows_through, run

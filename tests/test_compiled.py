@@ -19,12 +19,12 @@ from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
 from qi21.model.loaders.dit import load_dit
 from qi21.model.loaders.lora import apply_lora, clone_tree
-from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.memory.streaming import StreamedRun
+from qi21.model.prefix_cache.host_moves import HostPrefixKVCache
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import base_sigmas
 from qi21.model.transformer.compiled import COMPILE_MODES, compile_blocks
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 TOL = 2e-5  # DESIGN.md: ours against diffusers, fp32
 

@@ -16,11 +16,11 @@ from qi21.model.encoders.control import control_latents
 from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
 from qi21.model.loaders.lora import apply_lora
 from qi21.model.loaders.safetensors_io import CheckpointError
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import sample
 from qi21.model.transformer.controlnet import percent_to_sigma
 from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.model.vae.autoencoder import QwenImage21VAE
 
 GRID = (4, 6)  # target latent cells (64 x 96 px)

@@ -11,8 +11,8 @@ from qi21.demo import tiny_checkpoints as tiny
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.encoders.control import control_latents
 from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
-from qi21.model.memory.host_cache import HostPrefixKVCache
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.host_moves import HostPrefixKVCache
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
 from qi21.model.sampling.loop import sample
 from qi21.model.transformer.controlnet import ControlStream
 from qi21.model.vae.autoencoder import QwenImage21VAE

@@ -22,11 +22,11 @@ from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
 from qi21.model.loaders.dit import FP8_PARAMS, load_dit
 from qi21.model.loaders.lora import apply_lora
 from qi21.model.memory.streaming import StreamedRun
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.step_cache import StepCacheOptions
 from qi21.model.transformer.compiled import compile_blocks
 from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 ROWWISE = "float8_e4m3fn_rowwise"
 CONFIG = DiTConfig(num_layers=3, num_heads=2, head_dim=32, context_in_dim=48, mlp_ratio=3, axes_dims_rope=(4, 14, 14))

@@ -175,7 +175,7 @@ def velocity(model, mode="uncached"):
     with torch.no_grad():
         if mode == "uncached":
             return model(x, 0.6, prefixes)
-        from qi21.model.transformer.prefix_cache import PrefixKVCache
+        from qi21.model.prefix_cache.layout import PrefixKVCache
 
         cache = PrefixKVCache()
         model(x, 0.9, prefixes, cache=cache, mode="prefill")

@@ -15,6 +15,8 @@ LAYERS = (
     ("model",),  # model/__init__.py (imports nothing)
     ("model.vae.latents",),  # the latent convention, read by everything above it
     ("model.layers",),
+    ("model.memory.slots",),  # the slot ring (torch only): a host-side prefix cache streams through it
+    ("model.prefix_cache",),  # the prefix cache's data and lifecycle: below the DiT that fills and reads it
     ("model.transformer",),
     ("model.vae",),
     ("model.encoders",),

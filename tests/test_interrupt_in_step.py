@@ -9,10 +9,10 @@ import torch
 
 from dit_fixtures import tiny_pair
 from qi21.model.encoders.conditioning import Conditioning
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import turbo_sigmas
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.nodes import bridge
 
 SIZE = 256

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import graph_fixtures as gf
-from qi21.model.transformer.prefix_cache import PrefixKVCache
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.nodes import bridge
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import graph_fixtures as gf
-from qi21.model.sampling.cache_store import PrefixCacheStore
-from qi21.model.transformer.prefix_cache import PrefixKVCache
-from qi21.model.transformer.prefix_runs import PrefixRuns
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+from qi21.model.prefix_cache.layout import PrefixKVCache
+from qi21.model.prefix_cache.leading_runs import PrefixRuns
 from qi21.nodes import bridge
 from qi21.nodes.placement import KEPT_CACHES
 from qi21.nodes.samplers import QI21Sampler

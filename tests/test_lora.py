@@ -28,10 +28,10 @@ from qi21.model.layers.linear import Linear
 from qi21.model.loaders.checkpoint import CheckpointError
 from qi21.model.loaders.dit import load_dit
 from qi21.model.loaders.lora import LoraError, apply_lora, lora_set, read_lora
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.nodes import bridge
 from qi21.nodes.loaders import QI21ModelLoader
 from qi21.nodes.lora import QI21LoraLoader

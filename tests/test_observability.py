@@ -10,7 +10,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import graph_fixtures as gf
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
 from qi21.nodes import observability
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.placement import KEPT_CACHES

@@ -343,8 +343,8 @@ def test_the_bridge_budget_on_a_cpu_counts_what_the_model_already_holds(models, 
 
 
 def test_the_kept_cache_store_follows_the_planners_figure():
-    from qi21.model.sampling.cache_store import PrefixCacheStore
-    from qi21.model.transformer.prefix_cache import PrefixKVCache
+    from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+    from qi21.model.prefix_cache.layout import PrefixKVCache
 
     store = PrefixCacheStore(budget_bytes=None)
     owner = torch.nn.Linear(1, 1)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dit_fixtures import Case, make_case, tiny_pair
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.transformer.attention import FLEX_AVAILABLE
 from qi21.model.transformer.dit import PrefixInputs
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 TOL = 2e-5
 BACKENDS = ["sdpa"] + (["flex"] if FLEX_AVAILABLE else [])

@@ -10,13 +10,13 @@ from dit_fixtures import reference_velocity
 from oracle import BASE_SCHEDULER, diffusers_loop
 from parallel_fixtures import prompt
 from qi21.model.encoders.conditioning import Conditioning
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+from qi21.model.prefix_cache.layout import PrefixKVCache
+from qi21.model.prefix_cache.leading_runs import prefix_runs
+from qi21.model.prefix_cache.lifecycle import share_leading_runs
 from qi21.model.sampling.loop import initial_noise, sample
-from qi21.model.sampling.run_caches import share_leading_runs
 from qi21.model.sampling.schedule import base_sigmas
 from qi21.model.transformer.dit import PrefixInputs
-from qi21.model.transformer.prefix_cache import PrefixKVCache
-from qi21.model.transformer.prefix_runs import prefix_runs
 
 WIDTH = HEIGHT = 128  # an 8 x 8 latent target
 GRID = (HEIGHT // 16, WIDTH // 16)

@@ -9,11 +9,11 @@ import torch
 import graph_fixtures as gf
 from oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop
 from qi21.model.encoders.conditioning import Conditioning
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+from qi21.model.prefix_cache.layout import PrefixKVCache
+from qi21.model.prefix_cache.leading_runs import prefix_runs
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
-from qi21.model.transformer.prefix_cache import PrefixKVCache
-from qi21.model.transformer.prefix_runs import prefix_runs
 
 WIDTH, HEIGHT = 512, 768  # latent 48 x 32 (w x h)
 LATENT = (HEIGHT // 16, WIDTH // 16)

@@ -17,7 +17,7 @@ import torch
 from dit_fixtures import unit_scale_dit
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.options import options_of, with_options
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
 from qi21.model.sampling.loop import sample
 from qi21.model.sampling.step_cache import StepCache, StepCacheOptions
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs

@@ -9,13 +9,13 @@ import torch
 from dit_fixtures import tiny_pair
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.loaders.lora import clone_tree
-from qi21.model.memory.host_cache import HostPrefixKVCache
 from qi21.model.memory.streaming import LayerStreamer, StreamedRun, place_layers, resident_part
 from qi21.model.memory.weights import dit_weights
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.host_moves import HostPrefixKVCache
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import turbo_sigmas
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 WIDTH, HEIGHT = 128, 96
 

@@ -21,7 +21,7 @@ from qi21.demo.toy_data import Item, Scene
 from qi21.demo.toy_eval import ToyPipeline, analyse, psnr, ssim
 from qi21.model.encoders.pipeline import encode_prompt
 from qi21.model.loaders.text_encoder import load_text_encoder
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
 
 STEPS = 20
 PLAIN = dict(steps=STEPS, cfg=1.0)

@@ -18,10 +18,10 @@ from qi21.model.parallel import pool as pools
 from qi21.model.parallel.split import SplitModel
 from qi21.model.parallel.ulysses import cached_step_bytes, check_world
 from qi21.model.parallel.worker import from_value, run_sample
-from qi21.model.sampling.cache_store import PrefixCacheStore
+from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import sample
 from qi21.model.transformer.dit import PrefixInputs
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 from qi21.nodes.loaders import QI21ModelLoader
 from qi21.nodes.lora import QI21LoraLoader
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler

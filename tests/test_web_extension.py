@@ -153,7 +153,7 @@ def test_cache_bytes_are_half_a_mib_per_prefix_token_in_bf16(sandbox):
 
 
 def test_quantized_cache_bytes_match_the_planners(sandbox):
-    from qi21.model.transformer.cache_storage import cache_row_bytes
+    from qi21.model.prefix_cache.storage_formats import cache_row_bytes
 
     tokens = [1, 75, 12_363]
     for dtype in ("int8", "int4"):

@@ -12,7 +12,7 @@
 // - cache bytes = 2 (K and V) * layers * heads * head_dim * prefix tokens * bytes per element:
 //   32 * 32 * 128 in bf16 = 0.5 MiB per prefix token. One cache per distinct prefix (true CFG adds the
 //   negative prompt's); the samples of a batch share it.
-// - a quantized cache (the Prefix Cache node's dtype int8 / int4, model/transformer/cache_storage.py) stores each
+// - a quantized cache (the Prefix Cache node's dtype int8 / int4, model/prefix_cache/storage_formats.py) stores each
 //   token's keys (or values) of one layer, all heads, as heads * head_dim bytes (int8) or half that (int4) plus one
 //   fp32 scale: 0.5005x / 0.2505x of bf16 for the released model.
 

@@ -12,8 +12,8 @@ import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.loaders.dit_keys import convert_state_dict
 from qi21.model.memory.estimate import GIB
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs, QwenImage21DiT
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 TEXT_TOKENS = 75
 

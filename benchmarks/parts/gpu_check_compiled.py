@@ -14,8 +14,8 @@ import torch
 
 from parts.gpu_check_common import Check, dit_calls, rel_diff, table
 from qi21.model.loaders.lora import clone_tree
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.transformer.compiled import compile_blocks
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 MODES = (("compiled", "blocks"), ("compiled + CUDA graphs", "blocks+cudagraphs"))
 

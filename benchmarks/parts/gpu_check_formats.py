@@ -22,8 +22,8 @@ from qi21.model.layers.kitchen import gemm_summary
 from qi21.model.layers.linear import Linear
 from qi21.model.loaders.dit import load_dit
 from qi21.model.loaders.lora import apply_lora
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.transformer.dit import QwenImage21DiT
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 KITCHEN = ("int8_convrot", "fp8", "w4a8")
 GGUF = ("Q8_0", "Q4_K")

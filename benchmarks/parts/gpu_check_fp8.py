@@ -20,8 +20,8 @@ from qi21.model.layers.kitchen import QuantLinear, fp8_rowwise_linears, set_gemm
 from qi21.model.layers.linear import Linear
 from qi21.model.loaders.dit import FP8_PARAMS
 from qi21.model.loaders.lora import clone_tree
+from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.transformer.compiled import compile_blocks
-from qi21.model.transformer.prefix_cache import PrefixKVCache
 
 CONVROT_GROUP = 256  # the released int8 files' rotation
 

@@ -7,7 +7,7 @@ that follow. Encoding the same references with another instruction (or the negat
 therefore only has to run the instruction's tokens, attending over the kept keys/values of that leading run, and
 the vision tower only has to see an image it has not seen. The leading run's states are returned as they were
 kept, bit for bit, so the DiT's prefix cache recognises the rows as the same and reuses them too
-(`transformer/prefix_runs.py`).
+(`prefix_cache/leading_runs.py`).
 
 Everything kept lives in host memory (copied to the encoder's device when used), so nothing stays in VRAM when the
 encoder is offloaded, and it goes with the encoder object. Bounded: least recently used entries go first once

@@ -29,7 +29,7 @@ tests run on any machine (`benchmarks/memory.py plan-table`).
 import math
 from dataclasses import dataclass, field, replace
 
-from ..transformer.cache_storage import CACHE_DEVICES, DECODE_ROWS, cache_row_bytes
+from ..prefix_cache.storage_formats import CACHE_DEVICES, DECODE_ROWS, cache_row_bytes
 from ..transformer.dit import DiTConfig
 from .estimate import FP32, GIB, RunEstimate, VAEShape, decode_transient, estimate_run
 from .slots import STREAM_SLOTS
@@ -105,10 +105,11 @@ class RunShape:
         prefix_cache: whether the prefix is cached.
         reference_tokens: latent tokens of each reference of the positive prompt (for the advice in errors).
         cache_layers: layers the run's prefix caches hold together (None: the DiT's blocks). A Fun ControlNet adds
-            its blocks' layers, and a partial window a plain cache beside the controlled one (run_caches.py).
+            its blocks' layers, and a partial window a plain cache beside the controlled one (prefix_cache/
+            lifecycle.py).
         extra_row_buffers: `(rows, width)` buffers a step holds besides the DiT's (a control stream: 3).
         cache_dtype: how the cache stores its rows ("default": the compute dtype; "int8" / "int4": quantized,
-            scales included; transformer/cache_storage.py).
+            scales included; prefix_cache/storage_formats.py).
         step_cache: the step cache's mode ("off", "t8", "extrapolate"; sampling/step_cache.py): it holds fp32
             target-sized tensors across the blocks (`step_cache_bytes`).
     """

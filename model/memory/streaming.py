@@ -28,8 +28,8 @@ that a streamed run gives bit-identical latents to a resident one. Numerics are 
 import torch
 from torch import nn
 
-from ..transformer.prefix_cache import PrefixKVCache
-from .host_cache import HostPrefixKVCache, release_cache_slots
+from ..prefix_cache.host_moves import HostPrefixKVCache, release_cache_slots
+from ..prefix_cache.layout import PrefixKVCache
 from .slots import SLOT_ALIGN, STREAM_SLOTS, SlotRing, slot_layout
 from .weights import run_layers
 

@@ -15,7 +15,7 @@ prompt and sets `scale` (None: no guidance, rank 0's velocity is used) for the r
 import torch
 import torch.distributed as dist
 
-from ..transformer.prefix_cache import PrefixKVCache
+from ..prefix_cache.layout import PrefixKVCache
 from .agreement import CfgIndicator
 from .ulysses import all_gather_single
 

@@ -26,8 +26,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from ..prefix_cache.layout import LayerKV, PrefixKVCache
 from ..transformer.attention import target_attention
-from ..transformer.prefix_cache import LayerKV, PrefixKVCache
 from .agreement import UlyssesIndicator
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); torch >= 2.4 is supported, so take what exists

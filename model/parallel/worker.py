@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..sampling.cache_store import PrefixCacheStore
+from ..prefix_cache.kept_entries import PrefixCacheStore
 from ..sampling.loop import sample
 from .cfg import CfgParallel
 from .ulysses import Ulysses

@@ -8,7 +8,7 @@ A batch of B seeds shares one prefix copy. True CFG (cfg > 1 with a negative pro
 prompt's prefix next to the positive's in the same cache and runs both halves as one forward; the rows are
 ragged, so the two prompts need no padding and the result equals two separate passes. A Fun ControlNet copy
 runs its control stream on the steps of its window, which read a controlled cache (the control's layers added);
-the steps outside read a plain one (`run_caches.py` owns both).
+the steps outside read a plain one (`prefix_cache/lifecycle.py` owns both).
 
 Numerics follow diffusers' QwenImage21Pipeline: sigmas from `schedule.py`, the timestep rounded through the
 latent dtype, the Euler update in fp32, the latents kept in the model's dtype between steps (euler.py, the
@@ -21,15 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from ..encoders.conditioning import Conditioning
-from ..transformer.cache_storage import cache_storage
+from ..prefix_cache.kept_entries import PrefixCacheStore
+from ..prefix_cache.leading_runs import prefix_runs
+from ..prefix_cache.lifecycle import RunCaches
+from ..prefix_cache.storage_formats import cache_storage
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
 from ..transformer.hooks import EveryBlock
-from ..transformer.prefix_runs import prefix_runs
 from ..vae.latents import LATENT_CHANNELS, latent_shape
-from .cache_store import PrefixCacheStore
 from .denoiser import FlowDenoiser, run_sampler
 from .euler import BuiltinEuler, StepInfo  # noqa: F401 (StepInfo: what `callback` gets)
-from .run_caches import RunCaches
 from .schedule import literal_sigmas
 from .step_cache import StepCache, StepCacheOptions
 
@@ -189,7 +189,7 @@ def sample(
     `new_cache()` makes the prefix cache of a miss (default `PrefixKVCache`; the memory plan may ask for a host-side
     one, `streaming.HostPrefixKVCache`).
 
-    `cache_dtype` ("default", "int8", "int4"; transformer/cache_storage.py) stores the prefix cache in the model's
+    `cache_dtype` ("default", "int8", "int4"; prefix_cache/storage_formats.py) stores the prefix cache in the model's
     dtype or quantized per token through comfy-kitchen; a kept cache is reused only by a run with the same one.
 
     `step_cache` (step_cache.py; the Step Cache node's options on a model copy) skips blocks 1..N-1 of the model

@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .custom_ops import op_name
+from ..layers.custom_ops import op_name
 from .layout import SequenceLayout
 
 try:

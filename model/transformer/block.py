@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..layers.linear import Linear
+from ..prefix_cache.layout import LayerKV
 from .attention import block_causal_attention, prefix_attention_flex, target_attention
-from .prefix_cache import LayerKV
 from .rope import apply_rope
 
 

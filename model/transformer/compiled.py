@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from .prefix_cache import LayerKV
+from ..prefix_cache.layout import LayerKV
 
 COMPILE_MODES = ("off", "blocks", "blocks+cudagraphs")
 

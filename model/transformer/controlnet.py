@@ -24,9 +24,9 @@ import torch
 import torch.nn as nn
 
 from ..layers.linear import Linear
+from ..prefix_cache.layout import PrefixKVCache
 from .block import Block, DiTConfig, Rows
 from .hooks import CONTROL, BlockHook
-from .prefix_cache import PrefixKVCache
 
 CONTROL_IN_DIM = 129  # 64 control latent channels, 1 keep-mask channel, 64 inpaint latent channels
 #: `(rows, width)` buffers a controlled step holds besides the DiT's: the control state c, the kept X, one skip.

@@ -28,12 +28,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layers.linear import Linear
+from ..prefix_cache.layout import PrefixKVCache
 from .attention import ATTENTION_BACKENDS, flex_block_mask, segment_table
 from .block import Block, DiTConfig, Rows, block_modulation, layer_norm
 from .compiled import begin_step
 from .hooks import BlockHook, Finish, ordered
 from .layout import SequenceLayout
-from .prefix_cache import PrefixKVCache
 from .rope import rope_rotations
 
 TIMESTEP_DIM = 256  # sinusoid width fed to the timestep MLP

@@ -8,8 +8,8 @@ Each is planned on its first use (the longest leading runs kept in the store, or
 without `keep_cache`, freed right after its last step: a partial window holds both only while both are in use.
 """
 
-from ..transformer.prefix_cache import PrefixKVCache
-from .cache_store import PrefixCacheStore
+from .kept_entries import PrefixCacheStore
+from .layout import PrefixKVCache
 
 
 def share_leading_runs(runs, bases) -> list:

@@ -3,7 +3,7 @@
 A later run with the same model finds here the longest leading run of its prefix that some kept cache holds
 (`reuse`): the same prompt (another seed, size or batch size: the prefix never reads the target) reuses all of
 it and skips the prefill; a new instruction after the same references reuses the rows up to the instruction and
-computes only the rest. Matching compares content digests (`transformer/prefix_runs.py`), never object identity.
+computes only the rest. Matching compares content digests (`prefix_cache/leading_runs.py`), never object identity.
 
 Kept caches may share tensors (a run that started from a kept cache reads that cache's rows in place), so the
 store counts every tensor once, and a tensor is freed only when no kept cache and no run holds it any more.
@@ -29,7 +29,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..transformer.prefix_cache import PrefixKVCache
+from .layout import PrefixKVCache
 
 DEFAULT_BUDGET_BYTES = 8 * 2**30  # ~16k prefix tokens of the full model in bf16 (0.5 MiB per token)
 

@@ -5,7 +5,7 @@ the ControlNet ride on theirs:
     device   auto (the memory planner's choice), gpu (on the compute device), cpu (pinned host memory, streamed in
              per layer), off (no cache: every step recomputes the prefix)
     dtype    default (the model's compute dtype), int8, int4 (quantized per token through comfy-kitchen;
-             transformer/cache_storage.py)
+             prefix_cache/storage_formats.py)
 
 The copy shares every weight with the model it was made from, and its kept caches are keyed by that model
 (`cache_base`; the storage is part of the store key), so ComfyUI unloading the model drops them too.
@@ -13,7 +13,7 @@ The copy shares every weight with the model it was made from, and its kept cache
 
 from dataclasses import dataclass
 
-from ..transformer.cache_storage import CACHE_DEVICES, CACHE_DTYPES, cache_storage
+from .storage_formats import CACHE_DEVICES, CACHE_DTYPES, cache_storage
 
 
 @dataclass(frozen=True)

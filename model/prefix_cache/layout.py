@@ -14,7 +14,7 @@ a kept prompt's references) reads the other's tensor for the shared leading run 
 which the prefill computes as a chunk (`plan` says which, `allocate` makes the chunks). Shared tensors are
 counted and held once; a part is a row range of a tensor, so a run can start from the first rows of another.
 
-With a quantized `storage` (cache_storage.py: int8 / int4) the payload tensors are uint8 `(layers, 2, rows,
+With a quantized `storage` (storage_formats.py: int8 / int4) the payload tensors are uint8 `(layers, 2, rows,
 row_bytes)`: each layer's keys and values are quantized once when the prefill writes them, and dequantized into the
 compute dtype when a step reads them. The prefill itself then attends over the dequantized rows too (`store` puts
 them back into its buffer), so every step, a kept cache's reuse and a chunk after shared rows all read the same
@@ -23,7 +23,7 @@ numbers: a quantized run equals itself whether its rows were computed now, kept 
 
 import torch
 
-from .cache_storage import QuantizedRows
+from .storage_formats import QuantizedRows
 
 
 def _truncate(parts, rows: int) -> list:

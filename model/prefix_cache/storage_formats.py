@@ -20,7 +20,7 @@ included. comfy-kitchen is imported on first use; without it `int8` / `int4` are
 import torch
 
 from ..layers.formats import kitchen
-from .custom_ops import op_name
+from ..layers.custom_ops import op_name
 
 CACHE_DTYPES = ("default", "int8", "int4")
 CACHE_DEVICES = ("auto", "gpu", "cpu", "off")

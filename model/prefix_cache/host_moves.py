@@ -5,8 +5,8 @@ import weakref
 
 import torch
 
-from ..transformer.prefix_cache import LayerKV, PrefixKVCache
-from .slots import STREAM_SLOTS, SlotRing
+from .layout import LayerKV, PrefixKVCache
+from ..memory.slots import STREAM_SLOTS, SlotRing
 
 
 class HostPrefixKVCache(PrefixKVCache):
