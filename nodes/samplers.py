@@ -5,7 +5,6 @@ import json
 import torch
 
 from ..model.encoders.canvas import CROP_KEY, check_box, mask_on_canvas, padded_target
-from ..model.layers.kitchen import gemm_summary
 from ..model.options import options_of
 from ..model.sampling.img2img import (
     check_denoise,
@@ -15,20 +14,20 @@ from ..model.sampling.img2img import (
     fixed_tail,
     latent_mask,
 )
-from ..model.sampling.loop import initial_noise, sample
+from ..model.sampling.loop import RunSpec
 from ..model.sampling.schedule import base_sigmas, literal_sigmas, schedule_mu, turbo_sigmas
 from ..model.vae.latents import (
     LATENT_CHANNELS,
     LATENT_TOKEN_PIXELS,
     latent_shape,
     latent_tokens,
-    preview_image,
     sampling_size,
     target_size,
 )
-from . import bridge, observability, parallel, placement
+from . import bridge, observability
 from .bridge import io
 from .comfy_sampling import sampler_runner
+from .executor import execute
 from .types import CATEGORY, Conditioning, Model
 from .validation import is_number, quoted, refuse_unknown_inputs, require, widget_problem
 
@@ -113,15 +112,9 @@ def _reference_difference(positive, negative) -> str | None:
     return "the negative prompt's references are other images than the positive's"
 
 
-def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigmas_for, negative=None, cfg=1.0,
-        prefix_cache="on", keep_cache=False, sigmas=None, latent_image=None, denoise=1.0,
-        add_noise=True, sampler_object=None) -> io.NodeOutput:
-    """What both samplers do: size, schedule, start image, sampling with progress/interrupt/previews, report,
-    LATENT. `sigmas_for(width, height, denoise)` is the sampler's own schedule. `sampler_object`: a ComfyUI SAMPLER
-    to run instead of the built-in Euler loop (nodes/comfy_sampling.py)."""
-    notes = []
-    denoise = 1.0 if denoise is None else float(denoise)
-    check_denoise(denoise)
+def _canvas(model, positive, sampler: str, width, height, batch_size, latent_image, notes: list) -> tuple:
+    """(raw start latent, mask, pad box, width, height, batch size) of the run: from `latent_image` when one is
+    connected, else the size asked (0: the last reference's; a reference with fit = pad pads the canvas)."""
     raw = mask = box = None
     if latent_image is not None:
         raw, mask, width, height, batch_size = _start_image(latent_image, width, height, batch_size)
@@ -144,6 +137,11 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
         notes.append(f"a {variant} model in the {sampler} sampler: use the Qwen-Image 2.1 "
                      f"{'Turbo ' if variant == 'turbo' else ''}Sampler for it (its schedule is what it was trained "
                      "for)")
+    return raw, mask, box, width, height, batch_size
+
+
+def _schedule(model, sampler: str, sigmas, sigmas_for, width, height, denoise, notes: list):
+    """The sigmas the run follows: the connected ones as they are, else the sampler's own for this size."""
     if sigmas is not None:
         sigmas = literal_sigmas(sigmas, "sigmas")
         if denoise < 1.0:
@@ -153,6 +151,21 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     if sampler == "turbo" and not torch.equal(sigmas, model_turbo_sigmas(model)):
         notes.append("Turbo was distilled for its stored 8-sigma schedule; other schedules or denoise < 1 may "
                      "lose quality")
+    return sigmas
+
+
+def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigmas_for, negative=None, cfg=1.0,
+        prefix_cache="on", keep_cache=False, sigmas=None, latent_image=None, denoise=1.0,
+        add_noise=True, sampler_object=None) -> io.NodeOutput:
+    """What both samplers do: size, schedule, start image, sampling with progress/interrupt/previews, report,
+    LATENT. `sigmas_for(width, height, denoise)` is the sampler's own schedule. `sampler_object`: a ComfyUI SAMPLER
+    to run instead of the built-in Euler loop (nodes/comfy_sampling.py)."""
+    notes = []
+    denoise = 1.0 if denoise is None else float(denoise)
+    check_denoise(denoise)
+    raw, mask, box, width, height, batch_size = _canvas(model, positive, sampler, width, height, batch_size,
+                                                        latent_image, notes)
+    sigmas = _schedule(model, sampler, sigmas, sigmas_for, width, height, denoise, notes)
     difference = _reference_difference(positive, negative if cfg > 1 else None)
     if difference:
         notes.append(f"{difference} (the reference pipeline encodes both prompts with the same images)")
@@ -162,70 +175,34 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     if raw is None and sigmas[0].item() < 1.0:
         # as ComfyUI does with an empty latent: the start mixes noise with an all-zero (raw) image
         raw = torch.zeros(1, LATENT_CHANNELS, *latent_shape(width, height))
-    record = options_of(model)  # what rides on the model: loader inputs and option nodes upstream (model/options.py)
-    options = record.cache  # a Qwen-Image 2.1 Prefix Cache node upstream (nodes/cache.py)
+    options = options_of(model).cache  # a Qwen-Image 2.1 Prefix Cache node upstream (nodes/cache.py)
     cached = prefix_cache == "on" and options.device != "off"
     if prefix_cache == "on" and not cached:
         notes.append("prefix cache off: the Prefix Cache node's device is off (every step recomputes the prefix)")
     for note in notes:
         bridge.log.warning("qi21 %s sampler: %s", sampler, note)
-
-    # a SAMPLER is checked before anything is loaded; its model_sampling is shifted as the official schedule is
-    runner = sampler_name = None
-    split = record.split  # the DiT runs in worker processes (nodes/parallel.py)
-    if split and sampler_object is not None:
-        raise ValueError("the sampler input (a ComfyUI SAMPLER) runs in ComfyUI's process and cannot drive a model "
-                         "run in worker processes (the loader's devices); disconnect it or leave devices empty.")
-    if sampler_object is not None:
+    runner = sampler_name = None  # a SAMPLER is checked before anything is loaded; its model_sampling is shifted
+    if sampler_object is not None:  # as the official schedule is
         mu = 0.0 if sampler == "turbo" else schedule_mu(latent_tokens(width, height))
         sampler_name, runner = sampler_runner(sampler_object, seed=seed, mu=mu)
-    # The memory plan, made before the noise or anything else is allocated: a run that fits no placement (a
-    # 4096x4096 batch of 64 is within the widgets' limits and would otherwise grow until the OS kills the server)
-    # is refused here with the least memory it needs and what to change (model/memory/planner.py).
-    job = None if split else placement.plan_sampling(model, positive, negative if cfg > 1 else None, width, height,
-                                                     batch_size, cached)
-    progress = bridge.Progress(len(sigmas) - 1)
-    show_previews = bridge.previews_enabled()
-
-    def on_step(info):
-        bridge.throw_if_interrupted()
-        progress.update(info.step + 1, preview_image(info.denoised) if show_previews else None)
-
-    noise = initial_noise(seed, batch_size, height, width)
     grid = latent_shape(width, height)
     start = None if raw is None else positive.latent_format.normalize(raw)
     if mask is not None and box is not None:  # a mask drawn on the picture is padded like the picture
         mask = mask_on_canvas(mask, box, (width, height))
-    noise_mask = None if mask is None else latent_mask(mask, grid, batch_size)
-    # -- memory plan (nodes/placement.py): load as planned, stream blocks / cache if planned, report plan and peak --
-    if split:
-        result = parallel.sample_split(model, positive, progress, sigmas=sigmas, width=width, height=height,
-                                       noise=noise, negative=negative, cfg=cfg, prefix_cache=cached,
-                                       keep_cache=keep_cache, latent_image=start, noise_mask=noise_mask,
-                                       add_noise=add_noise, cache_dtype=options.dtype, step_cache=record.step_cache)
-    else:
-        with job.placed():
-            result = sample(model, positive, sigmas=sigmas, width=width, height=height, noise=noise,
-                            negative=negative, cfg=cfg, prefix_cache=cached, keep_cache=keep_cache, callback=on_step,
-                            check_interrupt=bridge.throw_if_interrupted, latent_image=start, noise_mask=noise_mask,
-                            add_noise=add_noise, new_cache=job.new_cache, store=job.store, sampler=runner,
-                            cache_dtype=options.dtype, step_cache=record.step_cache)
+    spec = RunSpec(positive, sigmas, width, height, seed=seed, batch_size=batch_size, negative=negative, cfg=cfg,
+                   prefix_cache=cached, keep_cache=keep_cache, latent_image=start,
+                   noise_mask=None if mask is None else latent_mask(mask, grid, batch_size), add_noise=add_noise,
+                   sampler=runner)
+    result, added, store_notes = execute(model, spec, len(sigmas) - 1)  # here or in the workers (nodes/executor.py)
     report = dict(result.report)
     if sampler_name is not None:
         report["sampler"] = sampler_name
     if box is not None:  # VAE Decode cuts the picture's own pixels out of the padded canvas
         report["crop"] = {"box": [0, 0, *box], "canvas": [width, height]}
-    store_notes = []
-    if job is not None:
-        report.update(job.report())  # plan (weights / cache / decode, predicted peak); peak_bytes on a GPU
-        kept, store_notes = job.store_report(keep_cache)  # what the kept store holds; evictions made for this run
-        report.update(kept)
+    report.update(added)
     for note in store_notes:
         bridge.log.info("qi21 %s sampler: %s", sampler, note)
     notes += store_notes
-    gemm = {} if split else gemm_summary(model, bridge.compute_device())
-    if gemm:  # per quantized format: its own GEMM kernel, or dequantized per layer before a plain GEMM
-        report["quantized_gemm"] = gemm
     if notes:
         report["notes"] = notes + report.get("notes", [])
     bridge.log.info("qi21_report %s", json.dumps(report))

@@ -22,6 +22,8 @@ LAYERS = (
     ("model.encoders",),
     ("model.loaders",),
     ("model.memory",),
+    ("model.sampling.step_cache",),  # the step cache's rule (a block hook): its feature module declares it
+    ("model.features",),  # one module per feature: the record's fields, the table of pairs, each run's parts
     ("model.sampling",),
     ("model.parallel",),  # Ulysses over several processes: runs the sampling loop on each rank
     ("model.options",),  # the options record on a model copy and the table of feature pairs

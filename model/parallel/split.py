@@ -11,13 +11,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..features.devices import PARALLEL_MODES  # noqa: F401 (declared by the feature; the loader reads it here)
 from ..loaders.dit import load_dit
 from ..loaders.lora import apply_lora
 from ..sampling.loop import SampleResult
 from . import pool as pools
 from .worker import from_value, run_sample
-
-PARALLEL_MODES = ("off", "ulysses", "cfg")  # off with one device: the whole DiT in one worker there
 
 
 def build_chain(device: torch.device, build, args: tuple, loras: tuple):

@@ -5,8 +5,8 @@ import weakref
 
 import torch
 
-from .layout import LayerKV, PrefixKVCache
 from ..memory.slots import STREAM_SLOTS, SlotRing
+from .layout import LayerKV, PrefixKVCache
 
 
 class HostPrefixKVCache(PrefixKVCache):

@@ -19,8 +19,8 @@ included. comfy-kitchen is imported on first use; without it `int8` / `int4` are
 
 import torch
 
-from ..layers.formats import kitchen
 from ..layers.custom_ops import op_name
+from ..layers.formats import kitchen
 
 CACHE_DTYPES = ("default", "int8", "int4")
 CACHE_DEVICES = ("auto", "gpu", "cpu", "off")

@@ -16,14 +16,17 @@ built-in sampler; ComfyUI's SAMPLERs run over the same model call, denoiser.py).
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..encoders.conditioning import Conditioning
+from ..features import registry  # noqa: F401 (registers the pack's features)
+from ..features.record import ModelOptions
 from ..prefix_cache.kept_entries import PrefixCacheStore
 from ..prefix_cache.leading_runs import prefix_runs
 from ..prefix_cache.lifecycle import RunCaches
+from ..prefix_cache.storage_choice import CacheOptions
 from ..prefix_cache.storage_formats import cache_storage
 from ..transformer.dit import PrefixInputs, QwenImage21DiT
 from ..transformer.hooks import EveryBlock
@@ -31,7 +34,7 @@ from ..vae.latents import LATENT_CHANNELS, latent_shape
 from .denoiser import FlowDenoiser, run_sampler
 from .euler import BuiltinEuler, StepInfo  # noqa: F401 (StepInfo: what `callback` gets)
 from .schedule import literal_sigmas
-from .step_cache import StepCache, StepCacheOptions
+from .step_cache import StepCacheOptions
 
 
 class NonFiniteLatentsError(FloatingPointError):
@@ -149,170 +152,255 @@ class _FiniteWatch:
         )
 
 
-def sample(
-    model: QwenImage21DiT,
-    positive: Conditioning,
-    *,
-    sigmas: torch.Tensor,
-    width: int,
-    height: int,
-    seed: int = 0,
-    batch_size: int = 1,
-    noise: torch.Tensor | None = None,
-    negative: Conditioning | None = None,
-    cfg: float = 1.0,
-    prefix_cache: bool = True,
-    keep_cache: bool = False,
-    store: PrefixCacheStore | None = None,
-    callback=None,
-    attention: str | None = None,
-    check_interrupt=None,
-    latent_image: torch.Tensor | None = None,
-    noise_mask: torch.Tensor | None = None,
-    add_noise: bool = True,
-    new_cache=None,
-    sampler=None,
-    cache_dtype: str = "default",
-    step_cache: StepCacheOptions | None = None,
-) -> SampleResult:
-    """Denoise along `sigmas` (used as given; see `literal_sigmas`); returns normalised latents and the report.
+@dataclass(frozen=True)
+class RunSpec:
+    """One sampling run, as a sampler node (or a Python caller) describes it; `run` executes it.
 
-    `noise` `(B, 64, H/16, W/16)` overrides `seed`/`batch_size`. `callback(StepInfo)` runs after every step;
-    an exception it raises (ComfyUI's interrupt) ends the run with the cache freed. `check_interrupt()` runs
-    after every block of every step, so a cancel lands within one block even when a step takes seconds.
-    `keep_cache` keeps the prefix cache in `store` (a `PrefixCacheStore`; the nodes own theirs) for the next run
-    with this conditioning.
-
-    img2img and inpainting (`img2img.py` has the semantics): `latent_image` `(1 or B, 64, h, w)` normalised is
-    the start, noised to the first sigma (`add_noise`) or taken as already noised; `noise_mask` `(1 or B, 1, h, w)`
+    `noise` `(B, 64, H/16, W/16)` overrides `seed`/`batch_size`. True CFG needs `negative` and `cfg` > 1.
+    img2img and inpainting (`img2img.py` has the semantics): `latent_image` `(1 or B, 64, h, w)` normalised is the
+    start, noised to the first sigma (`add_noise`) or taken as already noised; `noise_mask` `(1 or B, 1, h, w)`
     (1 = repaint) keeps the rest of `latent_image`. A schedule ending above 0 returns the partly denoised latent.
-    `new_cache()` makes the prefix cache of a miss (default `PrefixKVCache`; the memory plan may ask for a host-side
-    one, `streaming.HostPrefixKVCache`).
+    `sampler(denoiser, sigmas, noise, latent, mask) -> latents` runs instead of the built-in Euler (ComfyUI's
+    SAMPLERs through the bridge, as ComfyUI's KSAMPLER runs them: `run_sampler`). `keep_cache` keeps the prefix
+    cache in the services' store for the next run with this conditioning. `options`: the model's options record
+    (model/features/record.py); None: the record the model carries."""
 
-    `cache_dtype` ("default", "int8", "int4"; prefix_cache/storage_formats.py) stores the prefix cache in the model's
-    dtype or quantized per token through comfy-kitchen; a kept cache is reused only by a run with the same one.
+    positive: Conditioning
+    sigmas: torch.Tensor
+    width: int
+    height: int
+    seed: int = 0
+    batch_size: int = 1
+    noise: torch.Tensor | None = None
+    negative: Conditioning | None = None
+    cfg: float = 1.0
+    prefix_cache: bool = True
+    keep_cache: bool = False
+    latent_image: torch.Tensor | None = None
+    noise_mask: torch.Tensor | None = None
+    add_noise: bool = True
+    sampler: object = None
+    options: object = None
 
-    `step_cache` (step_cache.py; the Step Cache node's options on a model copy) skips blocks 1..N-1 of the model
-    calls where block 0 barely changed, replaying their last residual (lossy, opt-in); None, mode off or threshold 0
-    runs every block as before. One decision per model call (every sample and both CFG prompts together); the
-    report's `step_cache` lists them.
 
-    Every run is a sampler over the model as a flow denoiser (denoiser.py), which makes the one model call: None is
-    the built-in Euler (euler.py: diffusers' loop, `callback(StepInfo)` after each step); `sampler(denoiser, sigmas,
-    noise, latent, mask) -> latents` is another (ComfyUI's SAMPLERs through the bridge, run as ComfyUI's KSAMPLER
-    runs them: `run_sampler`), `callback` then runs after every model call (a `denoiser.CallInfo`) and the report
-    counts `model_calls`. The cache, the control phases and the step cache are the same for both.
-    """
-    notes = []
-    grid = latent_shape(width, height)
-    if noise is None:
-        noise = initial_noise(seed, batch_size, height, width)
+@dataclass(frozen=True)
+class RunServices:
+    """What the caller lends a run: the kept-cache `store` (a `PrefixCacheStore`; the nodes own theirs), `new_cache()`
+    for the prefix cache of a miss (default `PrefixKVCache`; the memory plan may ask for a host-side one),
+    `callback` after every step (`StepInfo`; with a SAMPLER after every model call, a `denoiser.CallInfo`), whose
+    exception (ComfyUI's interrupt) ends the run with the cache freed, `check_interrupt()` after every block, and
+    the attention backend."""
+
+    store: PrefixCacheStore | None = None
+    new_cache: object = None
+    callback: object = None
+    check_interrupt: object = None
+    attention: str | None = None
+
+
+@dataclass
+class RunFacts:
+    """What the features' run parts read of the run (model/features/plugin.py): set before the first call, and the
+    outcome (`caches`, `active_steps`) before they report."""
+
+    sigmas: torch.Tensor
+    grid: tuple[int, int]
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    edit: bool
+    split: object  # a rank's `Ulysses` / `CfgParallel` (the ranks decide together), else None
+    per: str  # what one call is for a report: "step" (the built-in loop) or "model call" (a SAMPLER)
+    caches: object = None
+    active_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One model call as the run parts' `hooks` see it."""
+
+    sigma: float | None
+    mode: str
+    phase: bool
+
+
+_SPEC_FIELDS = set(RunSpec.__dataclass_fields__)
+_SERVICE_FIELDS = set(RunServices.__dataclass_fields__)
+
+
+def sample(model: QwenImage21DiT, positive: Conditioning, *, sigmas, width: int, height: int,
+           step_cache: StepCacheOptions | None = None, cache_dtype: str = "default", **inputs) -> SampleResult:
+    """The keyword form of `run` (the Python API, the workers and the tests): `inputs` are `RunSpec` and
+    `RunServices` fields by name. `step_cache` and `cache_dtype` (a record's step cache and prefix-cache dtype) set
+    those fields of the model's record for this run: the same as a model copy carrying them (`with_options`)."""
+    unknown = sorted(set(inputs) - _SPEC_FIELDS - _SERVICE_FIELDS)
+    if unknown:
+        raise TypeError(f"sample() got unknown input(s) {', '.join(unknown)}.")
+    spec = RunSpec(positive, sigmas, width, height, **{k: v for k, v in inputs.items() if k in _SPEC_FIELDS})
+    changes = {}
+    if step_cache is not None:
+        changes["step_cache"] = None if step_cache.mode == "off" else step_cache
+    if cache_dtype != "default":
+        changes["cache"] = CacheOptions(dtype=cache_dtype)
+    if changes:
+        spec = replace(spec, options=record_of(model, spec.options).replace(**changes))
+    return run(model, spec, RunServices(**{k: v for k, v in inputs.items() if k in _SERVICE_FIELDS}))
+
+
+def record_of(model, given=None) -> ModelOptions:
+    """The record a run follows: `given`, else the one the model copy carries (`with_options`), else a plain one.
+    A ControlNet or LoRAs applied to a copy through the Python API (`apply_controlnet`, `apply_lora`) without
+    `with_options` are added to it here, so the run never differs from what the copy holds."""
+    record = given if given is not None else getattr(model, "options", None) or ModelOptions()
+    control, loras = getattr(model, "control", None), getattr(model, "loras", ())
+    if control is not None and record.control is None:
+        record = record.replace(control=str(control.report().get("file") or "control"))
+    if loras and not record.loras:
+        record = record.replace(loras=tuple((lora.name, lora.strength) for lora in loras))
+    return record
+
+
+def run(model: QwenImage21DiT, spec: RunSpec, services: RunServices = RunServices()) -> SampleResult:
+    """Denoise along `spec.sigmas` (used as given; see `literal_sigmas`); returns normalised latents and the report.
+
+    Every run is a sampler over the model as a flow denoiser (denoiser.py), which makes the one model call: the
+    built-in Euler (euler.py: diffusers' loop) or `spec.sampler`. The record's active features join the run as
+    run parts (model/features/): each adds block hooks to every call, and its entry to the report; the prefix
+    cache (`RunCaches`) serves every call, one cache per phase (a Fun ControlNet's window reads its own)."""
+    notes, grid = [], latent_shape(spec.width, spec.height)
+    noise = spec.noise if spec.noise is not None else initial_noise(spec.seed, spec.batch_size, spec.height,
+                                                                    spec.width)
     if tuple(noise.shape[1:]) != (LATENT_CHANNELS, *grid):
         raise ValueError(f"noise must be (B, 64, {grid[0]}, {grid[1]}), got {tuple(noise.shape)}.")
-    sigmas = literal_sigmas(sigmas)
-    steps = sigmas.numel() - 1
-    if not cfg >= 1.0:
-        raise ValueError(f"cfg must be >= 1 (1 disables guidance); got {cfg}.")
-    use_cfg = negative is not None and cfg > 1.0
-    if negative is not None and not use_cfg:
-        notes.append("negative prompt ignored: true CFG needs cfg > 1")
-    elif cfg > 1.0 and negative is None:
-        notes.append(f"cfg {cfg} ignored: true CFG needs a negative prompt")
-
-    device, dtype = _device_of(model), model.compute_dtype
-    batch = noise.shape[0]
-    conditionings = [positive] + ([negative] if use_cfg else [])
-    prefixes = [PrefixInputs(layout=c.layout(grid), text=c.text, references=c.references) for c in conditionings]
+    sigmas = literal_sigmas(spec.sigmas)
+    use_cfg = _guidance(spec, notes)
+    device, dtype, batch = _device_of(model), model.compute_dtype, noise.shape[0]
+    record = record_of(model, spec.options)
+    prefixes = [PrefixInputs(layout=c.layout(grid), text=c.text, references=c.references)
+                for c in [spec.positive] + ([spec.negative] if use_cfg else [])]
     sample_prefix = [0] * batch + ([1] * batch if use_cfg else [])
-    cached = bool(prefix_cache) and model.config.causal_condition
-    if prefix_cache and not cached:
+    cached = bool(spec.prefix_cache) and model.config.causal_condition
+    if spec.prefix_cache and not cached:
         notes.append("prefix cache off: this model has causal_condition=false")
-
-    storage = cache_storage(cache_dtype, "cache_dtype") if cached else None
-    if keep_cache and store is None:
+    if spec.keep_cache and services.store is None:
         raise ValueError("keep_cache needs a store to keep the cache in (store=PrefixCacheStore(...)).")
     runs = [prefix_runs(p.layout, p.text, p.references) for p in prefixes]
     # what the user gave (token ids, pixels) when the text-encode step said it, else the DiT's inputs
-    prefix_key = positive.lead_key or runs[0].leading_key()
-    init = None if latent_image is None else _match(latent_image, batch, grid, "latent_image")
-    mask = None if noise_mask is None else _match(noise_mask, batch, grid, "noise_mask", channels=1)
-    if mask is not None and init is None:
-        raise ValueError("a noise_mask needs the latent_image it keeps outside the mask.")
-    if init is None and not add_noise:
-        raise ValueError("add_noise off needs a latent_image: the already-noised latent to continue from.")
-
-    # A Fun ControlNet copy (transformer/controlnet.py) runs its control on the calls inside its window, for both CFG
-    # prompts and every sample as core does; those calls read a controlled cache, the others a plain one.
-    control = getattr(model, "control", None)
-    phases = [control is not None and control.active(sigmas[i].item()) for i in range(steps)]
-    if control is not None and (any(phases) or sampler is not None):
-        control.hint(grid, device, dtype)  # the control latent (VAE encodes) before the first step's clock
-
-    def controlled_at(sigma: float) -> bool:
-        return control is not None and control.active(sigma)
-
-    def mode_of(sigma: float) -> str:
-        return "uncached" if not cached else caches.mode(controlled_at(sigma))
-
-    # the caches are planned on first use: a kept entry they take out of the store is handled by `close` below
-    caches = RunCaches(model, prefixes, runs, store=store, keep_cache=keep_cache, new_cache=new_cache, device=device,
-                       dtype=dtype, storage=storage, prefix_key=prefix_key) if cached else None
-    interrupt = None if check_interrupt is None else EveryBlock(lambda index: check_interrupt())
-    clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
+    prefix_key = spec.positive.lead_key or runs[0].leading_key()
+    init, mask = _start(spec, batch, grid)
     # an edit (references present) changes less per step, so T8's rule asks a smaller change of it; a CFG-parallel
-    # rank's `positive` may be the negative prompt, so the split says whether the run is an edit (every rank must
-    # build a step cache, or none: a lone one would wait in the indicator's all-reduce)
-    edit = getattr(getattr(model, "parallel", None), "edit", None)
-    edit = bool(positive.ref_shapes) if edit is None else edit
-    skipper = StepCache.for_run(step_cache, sigmas, edit=edit, num_layers=model.config.num_layers)
-    if skipper is not None and getattr(model, "parallel", None) is not None:  # ranks decide together (parallel/)
-        model.parallel.join_step_cache(skipper)
+    # rank's `positive` may be the negative prompt, so the split says whether the run is an edit
+    split = getattr(model, "parallel", None)
+    edit = bool(spec.positive.ref_shapes) if getattr(split, "edit", None) is None else split.edit
+    facts = RunFacts(sigmas, grid, device, dtype, model.config.num_layers, edit, split,
+                     "step" if spec.sampler is None else "model call")
+    parts = record.start_run(model, facts)  # the active features' share of this run, in registration order
+    phases = [any(part.phase(sigmas[i].item()) for part in parts) for i in range(sigmas.numel() - 1)]
+    for part in parts:
+        part.prepare(any(phases) or spec.sampler is not None)
+    storage = cache_storage(record.cache.dtype, "cache_dtype") if cached else None
+    # the caches are planned on first use: a kept entry they take out of the store is handled by `close` below
+    caches = RunCaches(model, prefixes, runs, store=services.store, keep_cache=spec.keep_cache,
+                       new_cache=services.new_cache, device=device, dtype=dtype, storage=storage,
+                       prefix_key=prefix_key) if cached else None
+    interrupt = None if services.check_interrupt is None else EveryBlock(lambda index: services.check_interrupt())
+
+    def phase_at(sigma) -> bool:
+        return any(part.phase(sigma) for part in parts)
+
+    def mode_of(sigma) -> str:
+        return "uncached" if not cached else caches.mode(phase_at(sigma))
 
     def forward(packed, t, mode, sigma):  # the run's one model call, whichever sampler asks
-        phase = controlled_at(sigma)
-        stream = None if not phase else control.stream(grid, model.config.num_layers, device, dtype,
-                                                       net=model.control_net)
+        call = ModelCall(sigma, mode, phase_at(sigma))
+        hooks = [hook for part in parts for hook in part.hooks(call)]
         return model(torch.cat([packed, packed]) if use_cfg else packed, t, prefixes, sample_prefix,
-                     cache=caches.get(phase).cache if cached else None, mode=mode, attention=attention,
-                     hooks=(stream, interrupt, None if skipper is None else skipper.call(sigma, key=phase, mode=mode)))
+                     cache=caches.get(call.phase).cache if cached else None, mode=mode,
+                     attention=services.attention, hooks=(*hooks, interrupt))
 
-    denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=cfg, grid=grid,
-                            mode_of=mode_of, clock=clock, modes=modes, on_call=None if sampler is None else callback,
-                            reads_sigma=control is not None or skipper is not None)
-    if sampler is None:
-        last_of = {phase: i for i, phase in enumerate(phases)}
-
-        def after_call(i: int) -> None:  # the last step of a phase: its cache is no longer read
-            if cached and i == last_of[phases[i]]:
-                caches.done_with(phases[i])
-
-        run = BuiltinEuler(add_noise=add_noise, clock=clock, watch=watch, callback=callback, after_call=after_call)
-    else:
-        def run(denoiser, sigmas, noise, latent, mask):  # the SAMPLER undoes the noise scaling itself
-            final = run_sampler(sampler, denoiser, sigmas, noise, latent, mask, add_noise)
-            watch.check(final, steps - 1)
-            return final
+    clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
+    denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=spec.cfg, grid=grid,
+                            mode_of=mode_of, clock=clock, modes=modes,
+                            on_call=None if spec.sampler is None else services.callback,
+                            reads_sigma=any(part.reads_sigma() for part in parts))
+    sampler = _sampler(spec, services, phases, caches if cached else None, clock, watch)
     try:
-        latents = run(denoiser, sigmas, noise, init, mask)
+        latents = sampler(denoiser, sigmas, noise, init, mask)
         watch.finish()
         succeeded = True
     finally:
-        if skipper is not None:
-            skipper.free()
+        for part in parts:
+            part.close()
         if caches is not None:
             caches.close(succeeded, notes)
+    facts.caches, facts.active_steps = caches, sum(phases) if spec.sampler is None else None
+    report = _report(spec, prefixes, grid, batch, sigmas, clock, modes, caches, prefix_key)
+    for part in parts:
+        part.finish(report, notes, facts)
+    if spec.sampler is not None:
+        report["model_calls"] = len(modes)
+    if notes:
+        report["notes"] = notes
+    return SampleResult(latents, report)
 
+
+def _guidance(spec: RunSpec, notes: list) -> bool:
+    """Whether the run uses true CFG (a negative prompt and cfg > 1); what is ignored goes to `notes`."""
+    if not spec.cfg >= 1.0:
+        raise ValueError(f"cfg must be >= 1 (1 disables guidance); got {spec.cfg}.")
+    use_cfg = spec.negative is not None and spec.cfg > 1.0
+    if spec.negative is not None and not use_cfg:
+        notes.append("negative prompt ignored: true CFG needs cfg > 1")
+    elif spec.cfg > 1.0 and spec.negative is None:
+        notes.append(f"cfg {spec.cfg} ignored: true CFG needs a negative prompt")
+    return use_cfg
+
+
+def _start(spec: RunSpec, batch: int, grid) -> tuple:
+    """(the start latent, the noise mask) of img2img / inpainting, checked; (None, None) for text-to-image."""
+    init = None if spec.latent_image is None else _match(spec.latent_image, batch, grid, "latent_image")
+    mask = None if spec.noise_mask is None else _match(spec.noise_mask, batch, grid, "noise_mask", channels=1)
+    if mask is not None and init is None:
+        raise ValueError("a noise_mask needs the latent_image it keeps outside the mask.")
+    if init is None and not spec.add_noise:
+        raise ValueError("add_noise off needs a latent_image: the already-noised latent to continue from.")
+    return init, mask
+
+
+def _sampler(spec: RunSpec, services: RunServices, phases: list, caches, clock, watch):
+    """The run's sampler over the denoiser: the built-in Euler (a phase's cache freed after its last step), or the
+    SAMPLER given (which undoes the noise scaling itself)."""
+    if spec.sampler is None:
+        last_of = {phase: i for i, phase in enumerate(phases)}
+
+        def after_call(i: int) -> None:  # the last step of a phase: its cache is no longer read
+            if caches is not None and i == last_of[phases[i]]:
+                caches.done_with(phases[i])
+
+        return BuiltinEuler(add_noise=spec.add_noise, clock=clock, watch=watch, callback=services.callback,
+                            after_call=after_call)
+
+    def run_given(denoiser, sigmas, noise, latent, mask):
+        final = run_sampler(spec.sampler, denoiser, sigmas, noise, latent, mask, spec.add_noise)
+        watch.check(final, len(phases) - 1)
+        return final
+    return run_given
+
+
+def _report(spec: RunSpec, prefixes, grid, batch: int, sigmas, clock, modes, caches, prefix_key) -> dict:
+    """The report's keys every run has (tokens, cache, timings); the features add theirs."""
     times = clock.seconds()  # the run's one host sync on a GPU
     prefill_seconds = next((t for t, mode in zip(times, modes) if mode == "prefill"), None)
     step_times = [t for t, mode in zip(times, modes) if mode != "prefill"]
     prefix_rows = sum(p.layout.prefix_len for p in prefixes)
+    cached = caches is not None
     held_rows = caches.held_rows if cached else prefix_rows  # a partial window's two caches hold every row each
     computed_rows = caches.computed_rows if cached else prefix_rows
-    report = {
+    return {
         "prefix_tokens": prefix_rows,
         "target_tokens": grid[0] * grid[1],
         "batch": batch,
-        "steps": steps,
+        "steps": sigmas.numel() - 1,
         "cache": "off" if not cached else caches.state(),
         "cache_bytes": caches.nbytes if cached else 0,
         "cache_dtype": caches.storage_name if cached else None,
@@ -323,18 +411,3 @@ def sample(
         "prefix_rows_computed": computed_rows,
         "prefix_key": prefix_key,
     }
-    if control is not None:
-        report["control"] = {**control.report(), "active_steps": sum(phases) if sampler is None else None,
-                             "cache_bytes": caches.stream_bytes() if cached else {}}
-    loras = getattr(model, "loras", ())  # a LoRA copy (model/loaders/lora.py) records what it applied
-    if loras:
-        report["loras"] = [{"name": lora.name, "strength": lora.strength} for lora in loras]
-        notes.extend(note for lora in loras for note in lora.notes)
-    if sampler is not None:
-        report["model_calls"] = len(modes)
-    if skipper is not None:
-        report["step_cache"] = skipper.report("step" if sampler is None else "model call")
-    if notes:
-        report["notes"] = notes
-    return SampleResult(latents, report)
-
