@@ -346,7 +346,7 @@ for the layers the released int8 file quantizes (each block's q, k, v, out, gate
 blocks of 256, per-row scales), fp8 e4m3fn (per-tensor scales), W4A8 (groups of 16), NVFP4 and MXFP8. All load as
 the nodes load them on a CPU (fp32 compute) and run interleaved; medians printed, in wall and process CPU time.
 
-On a CPU every quantized layer is dequantized right before a plain fp32 GEMM (layers/formats.py `gemm_mode`; int8
+On a CPU every quantized layer is dequantized right before a plain fp32 GEMM (layers/format_table.py `gemm_mode`; int8
 and W4A8 with the ConvRot rotation applied to the activations instead of the weight). `--kernels` adds the int8 and
 W4A8 models through comfy-kitchen's int8 GEMMs (`torch._int_mm` on a CPU: ~42x the bf16 step, so minutes more).
 

@@ -82,6 +82,21 @@ def with_cache_options(model, device: str = "auto", dtype: str = "default"):
     return with_options(model, cache=options, build=lambda new: check_cache_storage(new, options))
 
 
+def with_lora(model, path, strength: float, name: str, apply):
+    """`model` with one more LoRA: the record's `loras` extended, and its mechanism where the model runs: a split
+    model's recipe takes it (each worker applies it when it builds the chain, model/parallel/split.py); a model in
+    this process gets `apply(model, path, strength, name=name)` (model/loaders/lora.py's `apply_lora`, or a caller's
+    wrapper of it)."""
+    record = options_of(model)
+    if record.split:
+        def build(split):
+            return split.with_lora(path, strength, name=name)
+    else:
+        def build(whole):
+            return apply(whole, path, strength, name=name)
+    return with_options(model, build=build, loras=record.loras + ((name, float(strength)),))
+
+
 def _copy(model):
     """`model` as a new model object sharing every weight. The prefix cache is unaffected, so the copy keeps the
     model's kept prefixes (`cache_base`); the host's memory handle (ComfyUI's patcher) stays with the original."""

@@ -5,8 +5,10 @@ with it (no second copy of the DiT) and runs the LoRA as a low-rank branch, so a
 that uses the model without the LoRA gets the model without the LoRA.
 """
 
+import functools
+
 from ..model.loaders.lora import apply_lora
-from ..model.options import options_of, with_options
+from ..model.options import with_lora
 from . import bridge
 from .bridge import io
 from .loaders import checked_path, file_changed_key, file_problem, load_or_free
@@ -55,12 +57,6 @@ class QI21LoraLoader(io.ComfyNode):
     def execute(cls, model, lora_name, strength, **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
         path = checked_path(cls, "loras", lora_name, strength=strength)
-        record = options_of(model)
-        if record.split:  # the workers apply it when they build the chain (model/parallel/split.py)
-            def build(split):
-                return split.with_lora(path, strength, name=lora_name)
-        else:
-            def build(whole):
-                return load_or_free(apply_lora, whole, path, strength, name=lora_name)
-        return io.NodeOutput(with_options(model, build=build, loras=record.loras + ((lora_name, float(strength)),)))
+        apply = functools.partial(load_or_free, apply_lora)
+        return io.NodeOutput(with_lora(model, path, strength, lora_name, apply))
 

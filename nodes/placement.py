@@ -136,15 +136,16 @@ def on_device(module: torch.nn.Module, device: torch.device | None = None, offlo
 def run_shape(model, positive, negative, width: int, height: int, batch: int, prefix_cache: bool) -> RunShape:
     grid = latent_shape(width, height)
     conditionings = [positive] + ([negative] if negative is not None else [])
-    control, layers = getattr(model, "control", None), model.config.num_layers
+    record, layers = options_of(model), model.config.num_layers
+    control = model.control if record.control is not None else None  # the record says; the copy holds the stream
     cache_layers = None
     if control is not None:  # its blocks' K/V, and a partial window's plain cache beside (prefix_cache/lifecycle.py)
         cache_layers = layers + control.net.config.num_blocks + (0 if control.whole_schedule else layers)
-    steps = options_of(model).step_cache  # None: no step cache
+    steps = record.step_cache  # None: no step cache
     return RunShape(tuple(c.layout(grid).prefix_len for c in conditionings), grid, batch, negative is not None,
                     prefix_cache, tuple(h * w for h, w in positive.ref_shapes), cache_layers=cache_layers,
                     extra_row_buffers=0 if control is None else STREAM_ROW_BUFFERS,
-                    cache_dtype=options_of(model).cache.dtype, step_cache=steps.mode if steps else "off")
+                    cache_dtype=record.cache.dtype, step_cache=steps.mode if steps else "off")
 
 
 def dit_unloaded(model) -> None:

@@ -119,3 +119,14 @@ def test_a_feature_without_every_verdict_or_with_a_taken_field_is_refused():
         records.register(Feature(name="dup", label="dup", fields={"loras": ()}, is_on=bool,
                                  verdicts={name: Supported("x") for name in FEATURES}))
     assert [f.name for f in records.features()] == list(FEATURES)
+
+
+def test_the_route_key_keeps_the_inputs_each_feature_says_decide_a_kept_prefix():
+    """nodes/route_key.py is standard library only (clients copy it), so it holds its own table: it must keep at
+    least what each feature module declares."""
+    from qi21.nodes import route_key
+
+    declared = {node: inputs for feature in records.features() for node, inputs in feature.route_inputs.items()}
+    assert declared, "no feature declares route-key inputs"
+    for node, inputs in declared.items():
+        assert set(inputs) <= set(route_key.KEPT_INPUTS[node]), node

@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 import graph_fixtures as gf
 from dit_fixtures import make_case
 from qi21.demo import tiny_checkpoints as tiny
-from qi21.model.layers import formats, kitchen as kitchen_layers, quant_tables
+from qi21.model.layers import format_table, formats, kitchen as kitchen_layers, quant_tables
 from qi21.model.layers.linear import Linear
 from qi21.model.loaders import kitchen as quantized
 from qi21.model.loaders.dit import load_dit
@@ -512,7 +512,7 @@ def test_tensor_cores_only_on_blackwell_and_int8_kernels_only_on_cuda(monkeypatc
     """The automatic choice per format and device, and what a setting may force (the Blackwell GEMMs cannot run
     elsewhere, so forcing them falls back to dequantizing)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    mode = formats.gemm_mode
+    mode = format_table.gemm_mode
     monkeypatch.setattr(formats, "blackwell", lambda device: torch.device(device).type == "cuda")  # a Blackwell GPU
     for name in ("nvfp4", "mxfp8"):
         assert mode(formats.FORMATS[name], {}, cpu) == "dequantize" == mode(formats.FORMATS[name], {}, cpu, "kernel")

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from .fast_gemm import float_rows, quantize_weight
-from .formats import GEMM_MODES, format_of, gemm_mode, kitchen
+from .format_table import format_of, gemm_mode
+from .formats import GEMM_MODES, kitchen
 from .linear import Linear, StoredLinear, row_overlaps
 
 __all__ = ["QSegment", "QuantEmbedding", "QuantLinear", "fp8_rowwise_linears", "gemm_summary", "kitchen", "set_gemm"]
@@ -67,7 +68,7 @@ class QuantLinear(_Segmented, StoredLinear):
     parameter named `weight`, `weight` is a meta tensor of the logical shape and compute dtype (shapes and
     `out_features` work, reading its values fails loudly). The DiT loader's own fp8 option names its single
     segment's data `weight`, so there `weight` is the real fp8 parameter. `bias` is used by text-encoder layers.
-    `gemm` ("auto", "kernel", "dequantize"; see `formats.gemm_mode`) chooses between a format's own GEMM and
+    `gemm` ("auto", "kernel", "dequantize"; see `format_table.gemm_mode`) chooses between a format's own GEMM and
     dequantizing right before a plain one.
     """
 

@@ -18,7 +18,16 @@ A hook that ends the blocks early returns `Finish(target_rows)`: the forward goe
 those rows (`(samples * target_len, width)`), the hooks after it in the order are not asked, and no hook's `end`
 runs. A DBCache-style front/back split or a higher-order forecast is one more hook, not an edit of `forward`.
 
-Hooks stay eager: they run between the compiled blocks (compiled.py), never inside a graph.
+Hooks stay eager: they run between the compiled blocks (compiled.py), never inside a graph. The features add
+theirs through their run parts (model/features/plugin.py); what changes a block from outside yet is no block hook:
+- weight streaming (memory/streaming.py) uses torch's module hooks: it streams any list of layers, the text
+  encoder's too, which never runs this forward;
+- `Block.compiled` is how a block computes its own forward, not work between blocks (hooks run between compiled
+  blocks);
+- a rank's `Rows.target_attention` / `prefix_split` (parallel/ulysses.py) replace the attention inside a block,
+  which no hook between blocks can reach;
+- training (training.py) swaps in a block class whose forward autograd can follow: another arithmetic of the
+  block itself.
 """
 
 from collections.abc import Callable
