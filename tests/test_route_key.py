@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from qi21.nodes import observability
-from qi21.nodes.route_key import MAX_DEPTH, MAX_NODES, RouteKeyError, file_sha256, main, route_key, route_parts
+from qi21.nodes.route_key import (
+    MAX_DEPTH,
+    MAX_NODES,
+    RouteKeyError,
+    file_sha256,
+    main,
+    route_description,
+    route_key,
+    route_parts,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ROOT / "nodes" / "route_key.py"
@@ -41,6 +50,16 @@ def inputs(tmp_path):
 
 def nodes_of(prompt: dict, kind: str) -> list[dict]:
     return [n for n in prompt.values() if n["class_type"] == kind]
+
+
+def expanded(described: dict, value):
+    """`value` with each reference replaced by the description it names, recursively (the nested form: fine for a
+    shipped graph, 2^depth for a doubling chain)."""
+    if isinstance(value, dict) and "ref" in value:
+        return expanded(described, described["nodes"][value["ref"]]["description"])
+    if isinstance(value, dict):
+        return {name: expanded(described, inner) for name, inner in value.items()}
+    return value
 
 
 def test_the_module_imports_only_the_standard_library():
@@ -151,7 +170,8 @@ def test_the_lora_chain_and_the_control_net_are_in_the_key(inputs):
     changed = copy.deepcopy(control)
     nodes_of(changed, "QI21ControlNetLoader")[0]["inputs"]["control_net_name"] = "other_union.safetensors"
     assert route_key(changed, inputs) != key
-    parts = route_parts(control, inputs)[0]["model"]
+    described = route_description(control, inputs)
+    parts = expanded(described, described["samplers"][0]["model"])
     assert parts["control_net"]["control_net_name"].endswith("union_bf16.safetensors") and parts["strength"] == 1.0
 
 
