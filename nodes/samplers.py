@@ -29,7 +29,7 @@ from ..model.vae.latents import (
 from . import bridge, observability, parallel, placement
 from .bridge import io
 from .comfy_sampling import sampler_runner
-from .types import CATEGORY, Conditioning, Model
+from .socket_types import CATEGORY, Conditioning, Model
 from .validation import is_number, quoted, refuse_unknown_inputs, require, widget_problem
 
 MIN_SIZE, MAX_SIZE = 32, 4096  # the reference pipeline runs any multiple of 32

@@ -78,6 +78,17 @@ def test_the_module_imports_only_the_standard_library():
     subprocess.run([sys.executable, "-I", "-c", code], check=True, timeout=60)
 
 
+def test_no_module_beside_it_shadows_the_standard_library():
+    """Run as a script, route_key.py has nodes/ first on `sys.path`: a nodes/types.py was imported for Python's
+    `types` (by argparse, under `python -S`) and failed on its relative import."""
+    beside = {path.stem for path in MODULE.parent.glob("*.py")} | {path.name for path in MODULE.parent.iterdir()
+                                                                     if (path / "__init__.py").is_file()}
+    assert not beside & set(sys.stdlib_module_names), beside & set(sys.stdlib_module_names)
+    for command in ([sys.executable, "-S", str(MODULE), "--help"], [sys.executable, "-m", "nodes.route_key", "--help"]):
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "--explain" in done.stdout, (command, done.stderr[-2000:])
+
+
 def test_every_shipped_api_workflow_has_a_key(inputs):
     keys = {}
     for path in sorted(API.glob("*.json")):
