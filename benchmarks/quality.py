@@ -263,9 +263,9 @@ def run_accuracy(argv=None) -> None:
 def write_cases(argv=None) -> None:
     """The toy's models folder and `cases()` as a `step-cache --prompts` JSON (the edits' pictures beside it): what
     the step cache was measured on (docs/measurements.md), for a run elsewhere."""
-    if len(argv) != 1:
-        raise SystemExit("usage: quality.py cases OUT")
-    out = Path(argv[0])
+    parser = argparse.ArgumentParser(prog="quality.py cases", description=write_cases.__doc__)
+    parser.add_argument("out", type=Path, help="the folder to write them to (made if missing)")
+    out = parser.parse_args(argv).out
     out.mkdir(parents=True, exist_ok=True)
     write_toy_checkpoints(out / "models")
     found = {"t2i": [], "edit": []}

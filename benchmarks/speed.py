@@ -712,6 +712,8 @@ def drift_relative(a, b) -> float:
 
 
 def run_bf16_drift():
+    parser = argparse.ArgumentParser(description=BF16_DRIFT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args()  # no options, but --help prints what it measures instead of running it
     from diffusers import QwenImage21Transformer2DModel
 
     global GPU_TARGET, GPU_REFERENCE

@@ -212,18 +212,18 @@ class Farm:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["route-key"]:  # all its arguments, --help included, are route_key.py's (REMAINDER drops --help)
+        return route_key_module.main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    key = commands.add_parser("route-key", help="print the graph's route key")
-    key.add_argument("rest", nargs=argparse.REMAINDER)
+    commands.add_parser("route-key", help="print the graph's route key (nodes/route_key.py's arguments)")
     run = commands.add_parser("run", help="run one job through the farm")
     run.add_argument("graph", type=Path)
     run.add_argument("--url", default="http://127.0.0.1:8188")
     run.add_argument("--images", type=Path, default=Path("."), help="the folder holding the LoadImage files")
     run.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
-    if args.command == "route-key":
-        return route_key_module.main(args.rest)
     graph = json.loads(args.graph.read_text())
     graph = graph.get("prompt", graph) if isinstance(graph.get("prompt"), dict) else graph
     names = {n["inputs"]["image"] for n in graph.values() if n.get("class_type") == "LoadImage"}

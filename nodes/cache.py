@@ -5,7 +5,7 @@ shares every weight; both samplers (and a ComfyUI SAMPLER through them) read the
 from ..model.options import with_cache_options
 from ..model.prefix_cache.storage_formats import CACHE_DEVICES, CACHE_DTYPES
 from .bridge import io
-from .types import CATEGORY, Model
+from .socket_types import CATEGORY, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
 DEVICE_TOOLTIP = ("Where the prefix cache lives. auto: the memory planner's choice (on the GPU when it fits beside the "

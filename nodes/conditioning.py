@@ -12,7 +12,7 @@ from ..model.encoders.pipeline import (
 from ..model.encoders.references import FITS, prepare_reference
 from . import bridge, placement
 from .bridge import io
-from .types import CATEGORY, VAE, Conditioning, References, TextEncoder
+from .socket_types import CATEGORY, VAE, Conditioning, References, TextEncoder
 from .validation import refuse_unknown_inputs, require, widget_problem
 
 

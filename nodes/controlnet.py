@@ -8,7 +8,7 @@ from ..model.options import with_options
 from . import bridge, placement
 from .bridge import io
 from .loaders import checked_path, default_dtype, file_changed_key, file_problem, load_or_free
-from .types import CATEGORY, VAE, ControlNet, Model
+from .socket_types import CATEGORY, VAE, ControlNet, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
 DTYPES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn_fast"]  # append only: saved graphs store the value

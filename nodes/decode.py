@@ -7,7 +7,7 @@ from ..model.encoders.pipeline import decode_images
 from ..model.vae.latents import LATENT_TOKEN_PIXELS
 from . import placement
 from .bridge import io
-from .types import CATEGORY, VAE
+from .socket_types import CATEGORY, VAE
 from .validation import refuse_unknown_inputs, require, widget_problem
 
 TILED = {"auto": None, "on": True, "off": False}

@@ -5,7 +5,7 @@ from ..model.encoders.pipeline import encode_images
 from . import bridge, placement
 from .bridge import io
 from .decode import TILED
-from .types import CATEGORY, VAE
+from .socket_types import CATEGORY, VAE
 from .validation import refuse_unknown_inputs, require, widget_problem
 
 

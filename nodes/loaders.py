@@ -21,7 +21,7 @@ from . import bridge
 from .bridge import io
 from .parallel import DEVICES_TOOLTIP, PARALLEL_MODES, PARALLEL_TOOLTIP, rank_problem, split_model
 from .placement import PLAN_TOOLTIP
-from .types import CATEGORY, VAE, Model, TextEncoder
+from .socket_types import CATEGORY, VAE, Model, TextEncoder
 from .validation import quoted, refuse_unknown_inputs, require, widget_problem
 
 

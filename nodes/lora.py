@@ -12,7 +12,7 @@ from ..model.options import with_lora
 from . import bridge
 from .bridge import io
 from .loaders import checked_path, file_changed_key, file_problem, load_or_free
-from .types import CATEGORY, Model
+from .socket_types import CATEGORY, Model
 from .validation import refuse_unknown_inputs
 
 MAX_STRENGTH = 10.0

@@ -1,7 +1,7 @@
 """What a worker of a farm tells its load balancer and its operator: the route key of a graph, the kept prefix
 caches, and counters in Prometheus' text format (docs/many-workers.md).
 
-    POST /qi21/route_key   {"prompt": <API graph>, "image_hashes": {name: sha256}} -> {"route_key", "parts"}
+    POST /qi21/route_key   {"prompt": <API graph>, "image_hashes": {name: sha256}} -> {"route_key", "parts", "nodes"}
     GET  /qi21/caches      the kept entries (prefix_key, rows, bytes, device, dtype, age, hits) and their total
     GET  /qi21/metrics     runs by cache outcome, prefix rows reused / computed, prefill seconds, kept bytes,
                            kept entries, evictions
@@ -16,7 +16,7 @@ import json
 import threading
 
 from . import bridge, placement
-from .route_key import RouteKeyError, key_of, route_parts
+from .route_key import RouteKeyError, route_description
 
 OUTCOMES = ("off", "miss", "partial", "hit")
 MAX_ROUTE_BODY = 8 << 20  # a graph with its prompts; far above any real one
@@ -96,7 +96,7 @@ def metrics_text(store=None, counters: RunCounters = COUNTERS) -> str:
 # -- routes ---------------------------------------------------------------------------------------------------------
 def route_key_answer(body: bytes | None, input_dir=None) -> tuple[int, dict]:
     """POST /qi21/route_key: `{"prompt": graph, "image_hashes": {...}}` (a /prompt body works as it is) ->
-    (200, key and parts), or (400, a clear error)."""
+    (200, the key, the samplers' parts and the hashed node descriptions they refer to), or (400, a clear error)."""
     try:
         try:
             request = json.loads(body or b"")
@@ -107,8 +107,8 @@ def route_key_answer(body: bytes | None, input_dir=None) -> tuple[int, dict]:
                                 "optionally 'image_hashes' (LoadImage file name -> SHA-256 hex of its bytes).")
         folder = input_dir if input_dir is not None else bridge.input_directory()
         graph, hashes = request["prompt"], request.get("image_hashes")
-        parts = route_parts(graph, folder, hashes)
-        return 200, {"route_key": key_of(parts), "parts": parts}
+        described = route_description(graph, folder, hashes)
+        return 200, {"route_key": described["route_key"], "parts": described["samplers"], "nodes": described["nodes"]}
     except (RouteKeyError, RecursionError) as error:
         return 400, {"error": str(error)}
 

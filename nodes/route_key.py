@@ -18,16 +18,21 @@ what decides whether a kept prefix can be reused:
 
 The Step Cache node (QI21StepCache) is looked through: it skips work on the target rows only, never the prefix.
 Any other node met on the way (a primitive, an image operation between LoadImage and the reference) is kept whole:
-its class and all its inputs, links followed the same way, LoadImage files by content. The key is SHA-256 of the
-canonical JSON of that description: equal graphs (up to words, seeds, sizes and the other sampler settings) give
-equal keys on any machine. It is a routing hint, not the exact `prefix_key` of the report (docs/many-workers.md).
+its class and all its inputs, links followed the same way, LoadImage files by content.
 
-The work is bounded by the graph, whatever it holds: each node is described once (memoized) however many inputs use
-it; the description the key hashes is nested, so a node used twice is written out twice, and a chain in which each
-node uses the one before twice would double at every link: its written-out size is counted as it is built (once
-per node) and a graph beyond `MAX_DESCRIPTION` characters is refused before anything is written out. Numbers that
-do not fit a double, node ids, link indices and strings beyond their bounds are refused by name, and a message
-quotes at most a short prefix of any value (docs/troubleshooting.md: the table of bounds).
+The description is a Merkle tree: each node's description (its class and kept inputs) holds a link to another node
+as `{"ref": SHA-256 of that node's description}` (with `"output"` for a node outside our own), and is written and
+hashed once however many inputs use it. The key is SHA-256 of the canonical JSON of the samplers' references: equal
+graphs (up to words, seeds, sizes and the other sampler settings) give equal keys on any machine, and a change to
+any node on the way changes every hash downstream of it, hence the key. It is a routing hint, not the exact
+`prefix_key` of the report (docs/many-workers.md). `--explain` prints the samplers' references and each hashed
+description, upstream first, with the graph's node ids that gave it.
+
+The work is linear in the graph, whatever it holds: each node is described and hashed once (a chain in which each
+node uses the one before twice costs one description a node, not 2^depth), and at most `MAX_DESCRIPTION` characters
+are hashed for one graph. Chains longer than `MAX_DEPTH` links, cycles, numbers that do not fit a double, node ids,
+link indices and strings beyond their bounds are refused by name, and a message quotes at most a short prefix of
+any value (docs/troubleshooting.md: the table of bounds).
 """
 
 import argparse
@@ -40,10 +45,11 @@ import sys
 
 SAMPLERS = ("QI21Sampler", "QI21TurboSampler")
 KEY_LENGTH = 32  # hex digits of the SHA-256 kept in the key (128 bits)
+KEY_DOMAIN = b"qi21-route-2\x00"  # 2: node descriptions hashed and referred to by hash (keys before differ)
 MAX_NODES = 5000  # far above any real graph; a graph beyond is refused before anything is followed
 MAX_DEPTH = 200  # links followed in one chain (a LoRA chain, a reference chain)
 MAX_TEXT = 1 << 20  # characters of one string input
-MAX_DESCRIPTION = 8 << 20  # characters of the written-out description (as much as the route reads of a body)
+MAX_DESCRIPTION = 8 << 20  # characters hashed for one graph, each node once (as much as the route reads of a body)
 MAX_ID = 256  # characters of a node id or a class name
 MAX_OUTPUT = 1023  # a link's output index (a node has a handful of outputs)
 HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -89,7 +95,9 @@ class _Graph:
         self.hashes = _checked_hashes(image_hashes)
         self._files = {}
         self._active = set()
-        self._memo = {}  # (node id, output) -> (description, size, chain length)
+        self._memo = {}  # node id -> (its reference, whether a link to it names the output, chain length below it)
+        self.described = {}  # digest -> {"graph nodes": [ids], "description": ...}, upstream first
+        self.hashed = 0  # characters of canonical JSON hashed so far (each node once)
 
     def samplers(self) -> list[str]:
         return sorted((k for k, n in self.nodes.items() if n["class_type"] in SAMPLERS), key=_node_order)
@@ -107,76 +115,78 @@ class _Graph:
             raise RouteKeyError(f"{where} links to node {_short(str(value[0]))}, which is not in the graph.")
         return str(value[0]), value[1]
 
-    def value(self, where: str, value, depth: int):
-        """The canonical form of an input: a constant as it is (numbers as floats), a link as its upstream node's
-        description."""
-        return self._value(where, value, depth)[0]
-
-    def _value(self, where: str, value, depth: int) -> tuple:
-        """(canonical form, its written-out size in characters, the longest chain of links below it)."""
+    def value(self, where: str, value, depth: int = 0) -> tuple:
+        """(canonical form, the longest chain of links below it) of an input: a constant as it is (numbers as
+        floats), a link as a reference to its upstream node's hashed description."""
         linked = self.link(where, value)
         if linked is not None:
-            return self._describe(*linked, depth=depth + 1)
-        constant = _constant(where, value)
-        return constant, _size(constant), 0
+            return self.reference(*linked, depth=depth + 1)
+        return _constant(where, value), 0
 
-    def describe(self, node_id: str, output: int, depth: int = 0):
-        return self._describe(node_id, output, depth)[0]
-
-    def _describe(self, node_id: str, output: int, depth: int = 0) -> tuple:
-        """(description, size, chain length) of `output` of `node_id`, computed once per (node, output): a node that
-        several inputs use is walked once, so the walk is linear in the graph, never one walk per path."""
-        known = self._memo.get((node_id, output))
+    def reference(self, node_id: str, output: int, depth: int = 0) -> tuple:
+        """(reference, chain length) of `output` of `node_id`: `{"ref": the SHA-256 of the node's description}`,
+        with `"output"` for a node outside our own (LoadImage's image or mask, a core node's outputs). Each node is
+        described and hashed once (memoized), so the work is linear in the graph however many inputs use a node."""
+        known = self._memo.get(node_id)
         if known is not None:
             if depth + known[2] > MAX_DEPTH:
                 raise RouteKeyError(f"node {_short(node_id)}: more than {MAX_DEPTH} links in one chain.")
-            return known
-        if depth > MAX_DEPTH:
-            raise RouteKeyError(f"node {_short(node_id)}: more than {MAX_DEPTH} links in one chain.")
-        if node_id in self._active:
-            raise RouteKeyError(f"the graph has a cycle through node {_short(node_id)}.")
+        else:
+            if depth > MAX_DEPTH:
+                raise RouteKeyError(f"node {_short(node_id)}: more than {MAX_DEPTH} links in one chain.")
+            if node_id in self._active:
+                raise RouteKeyError(f"the graph has a cycle through node {_short(node_id)}.")
+            self._active.add(node_id)
+            try:
+                known = self._referenced(node_id, depth)
+            finally:
+                self._active.discard(node_id)
+            self._memo[node_id] = known
+        reference, per_output, height = known
+        return ({**reference, "output": output} if per_output else reference), height
+
+    def _referenced(self, node_id: str, depth: int) -> tuple:
         node = self.nodes[node_id]
         kind, inputs = node["class_type"], node.get("inputs", {})
-        self._active.add(node_id)
-        try:
-            if kind == "LoadImage":
-                out = {"image_sha256": self.image_hash(node_id, inputs.get("image")), "output": output}
-                described = out, _size(out), 0
-            elif kind in PASS_THROUGH:
-                name = PASS_THROUGH[kind]
-                value = inputs.get(name)
-                out, size, below = self._value(f"node {_short(node_id)} ({kind}) input {name!r}", value, depth)
-                described = out, size, below + (1 if isinstance(value, list) else 0)
-            else:
-                described = self._node(node_id, kind, inputs, output, depth)
-        finally:
-            self._active.discard(node_id)
-        self._memo[(node_id, output)] = described
-        return described
+        if kind in PASS_THROUGH:  # the node's reference is its input's, so a graph with it keys as one without
+            name = PASS_THROUGH[kind]
+            value = inputs.get(name)
+            reference, below = self.value(f"node {_short(node_id)} ({kind}) input {name!r}", value, depth)
+            return reference, False, below + (1 if isinstance(value, list) else 0)
+        if kind == "LoadImage":
+            description, height = {"node": kind, "image_sha256": self.image_hash(node_id, inputs.get("image"))}, 0
+        else:
+            description, height = self._node(node_id, kind, inputs, depth)
+        return {"ref": self._hash(node_id, kind, description)}, kind not in KEPT_INPUTS, height
 
-    def _node(self, node_id: str, kind: str, inputs: dict, output: int, depth: int) -> tuple:
+    def _node(self, node_id: str, kind: str, inputs: dict, depth: int) -> tuple:
+        """(description, chain length) of one node: the inputs that decide the prefix, links as references."""
         names = KEPT_INPUTS.get(kind, sorted(inputs))
         if kind == "QI21TextEncode" and inputs.get("references") is not None:
             names = tuple(n for n in names if n != "prompt")  # the words do not move a reference prefix
         if kind == "QI21Reference" and inputs.get("fit", "resize") != "resize":
-            names = (*names, "fit")  # pad keeps other pixels than resize; left out at its default: keys stay as before
-        out = {"node": kind}
-        if kind not in KEPT_INPUTS:
-            out["output"] = output
-        size, height = _size(out), 0
+            names = (*names, "fit")  # pad keeps other pixels than resize; left out at its default
+        out, height = {"node": kind}, 0
         for name in names:
             if name in inputs:
                 where = f"node {_short(node_id)} ({_short(kind)}) input {_short(name)}"
-                out[name], part, below = self._value(where, inputs[name], depth)
-                size += part + len(name) + 4  # "name": and the comma
+                out[name], below = self.value(where, inputs[name], depth)
                 height = max(height, below + (1 if isinstance(inputs[name], list) else 0))
-                if size > MAX_DESCRIPTION:
-                    raise RouteKeyError(
-                        f"node {_short(node_id)} ({_short(kind)}): the graph's description would exceed "
-                        f"{MAX_DESCRIPTION} characters (each input that uses a node writes that node's description out "
-                        "again, so a chain whose nodes each use the one before twice doubles at every link); "
-                        "at most that much is read.")
-        return out, size, height
+        return out, height
+
+    def _hash(self, node_id: str, kind: str, description: dict) -> str:
+        """The SHA-256 of `description`'s canonical JSON, counted against `MAX_DESCRIPTION` (each node once: the
+        count is linear in the graph's own size, its links written as 64-digit references)."""
+        canonical = _canonical(description)
+        self.hashed += len(canonical)
+        if self.hashed > MAX_DESCRIPTION:
+            raise RouteKeyError(f"node {_short(node_id)} ({_short(kind)}): the graph's description would exceed "
+                                f"{MAX_DESCRIPTION} characters (each node's inputs written once, links as hashes); "
+                                "at most that much is read.")
+        digest = hashlib.sha256(b"qi21-node\x00" + canonical.encode()).hexdigest()
+        entry = self.described.setdefault(digest, {"graph nodes": [], "description": description})
+        entry["graph nodes"].append(node_id)
+        return digest
 
     def image_hash(self, node_id: str, name) -> str:
         where = f"node {_short(node_id)} (LoadImage) input 'image'"
@@ -218,10 +228,9 @@ def _short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _size(canonical) -> int:
-    """About how many characters `canonical` (a constant or a node's own fields, no nested description) takes in
-    the canonical JSON."""
-    return len(json.dumps(canonical, separators=(",", ":"), ensure_ascii=True))
+def _canonical(value) -> str:
+    """The canonical JSON the hashes are taken over: sorted keys, no spaces, ASCII, no NaN."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def _constant(where: str, value):
@@ -283,37 +292,43 @@ def file_sha256(path) -> str:
 
 
 def route_parts(graph, input_dir=None, image_hashes=None) -> list:
-    """What the key is made of: per sampler (node id order), its model chain and its conditioning, as plain JSON
-    values (printed by the command line's --explain)."""
+    """What the key hashes: per sampler (node id order; samplers with equal parts once), the references of its
+    model chain and its conditioning (`{"ref": SHA-256 of the node's description}`)."""
+    return _route(graph, input_dir, image_hashes)[1]
+
+
+def route_description(graph, input_dir=None, image_hashes=None) -> dict:
+    """The key and what it is made of, readable (the command line's --explain, the worker route's answer):
+    `samplers` (the parts the key hashes), `nodes` (each hashed description once, upstream first, with the graph's
+    node ids that gave it) and `characters_hashed` (the work done: at most the graph's size, never per path)."""
+    nodes, parts = _route(graph, input_dir, image_hashes)
+    return {"route_key": key_of(parts), "samplers": parts, "nodes": nodes.described,
+            "characters_hashed": nodes.hashed}
+
+
+def _route(graph, input_dir, image_hashes) -> tuple:
     nodes = _Graph(graph, input_dir, image_hashes)
     samplers = nodes.samplers()
     if not samplers:
         raise RouteKeyError(f"the graph has no {' or '.join(SAMPLERS)} node: nothing to route by.")
-    parts, total = [], 0
+    parts = []
     for node_id in samplers:
         inputs = nodes.nodes[node_id].get("inputs", {})
-        part, size = {}, 0
+        part = {}
         for name in ("model", "positive"):
             where = f"node {_short(node_id)} ({nodes.nodes[node_id]['class_type']}) input {name!r}"
             linked = nodes.link(where, inputs.get(name))
             if linked is None:
                 raise RouteKeyError(f"{where}: expected a link to the node that makes it.")
-            part[name], part_size, _ = nodes._describe(*linked)
-            size += part_size
-        if part in parts:  # two samplers of one split schedule share their prefix
-            continue
-        total += size
-        if total > MAX_DESCRIPTION:
-            raise RouteKeyError(f"the samplers' descriptions would exceed {MAX_DESCRIPTION} characters together "
-                                f"(at node {_short(node_id)}); at most that much is read.")
-        parts.append(part)
-    return parts
+            part[name] = nodes.reference(*linked)[0]
+        if part not in parts:  # two samplers of one split schedule share their prefix
+            parts.append(part)
+    return nodes, parts
 
 
 def key_of(parts: list) -> str:
-    """The key of `route_parts`' description: SHA-256 of its canonical JSON, `KEY_LENGTH` hex digits."""
-    canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    return hashlib.sha256(b"qi21-route\x00" + canonical.encode()).hexdigest()[:KEY_LENGTH]
+    """The key of `route_parts`: SHA-256 of its canonical JSON, `KEY_LENGTH` hex digits."""
+    return hashlib.sha256(KEY_DOMAIN + _canonical(parts).encode()).hexdigest()[:KEY_LENGTH]
 
 
 def route_key(graph, input_dir=None, image_hashes=None) -> str:
@@ -330,7 +345,8 @@ def main(argv=None) -> int:
                         "graph)")
     parser.add_argument("--hash", action="append", default=[], metavar="NAME=SHA256",
                         help="the SHA-256 of a LoadImage file instead of reading it (repeatable)")
-    parser.add_argument("--explain", action="store_true", help="also print what the key is made of")
+    parser.add_argument("--explain", action="store_true", help="also print what the key is made of: each sampler's "
+                        "references and every node description they lead to, upstream first")
     args = parser.parse_args(argv)
     try:
         text = sys.stdin.read() if args.graph == "-" else open(args.graph, encoding="utf-8").read()  # noqa: SIM115
@@ -342,13 +358,14 @@ def main(argv=None) -> int:
             raise RouteKeyError(f"--hash {bad[0]!r}: expected NAME=SHA256.")
         hashes = dict(item.split("=", 1) for item in args.hash)
         input_dir = args.input_dir or (os.path.dirname(os.path.abspath(args.graph)) if args.graph != "-" else None)
-        parts = route_parts(graph, input_dir, hashes)
+        described = route_description(graph, input_dir, hashes)
         if args.explain:
-            print(json.dumps(parts, indent=2, sort_keys=True))
+            print(json.dumps({name: described[name] for name in ("samplers", "nodes", "characters_hashed")},
+                             indent=2))
     except (OSError, ValueError) as error:  # RouteKeyError and json's errors are ValueErrors
         print(f"route-key: {error}", file=sys.stderr)
         return 2
-    print(key_of(parts))
+    print(described["route_key"])
     return 0
 
 

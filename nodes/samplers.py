@@ -28,7 +28,7 @@ from . import bridge, observability
 from .bridge import io
 from .comfy_sampling import sampler_runner
 from .executor import execute
-from .types import CATEGORY, Conditioning, Model
+from .socket_types import CATEGORY, Conditioning, Model
 from .validation import is_number, quoted, refuse_unknown_inputs, require, widget_problem
 
 MIN_SIZE, MAX_SIZE = 32, 4096  # the reference pipeline runs any multiple of 32

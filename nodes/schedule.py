@@ -8,7 +8,7 @@ from ..model.sampling.img2img import denoise_problem, denoise_tail, fixed_tail
 from ..model.sampling.schedule import BASE_CONFIG, base_sigmas, schedule_mu, turbo_sigmas
 from ..model.vae.latents import DEFAULT_SIZE, latent_tokens
 from .bridge import io
-from .types import CATEGORY
+from .socket_types import CATEGORY
 from .validation import is_number, quoted, refuse_unknown_inputs, require, widget_problem
 
 SCHEDULER_CHOICES = ("official", *COMFY_SCHEDULERS)

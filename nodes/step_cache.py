@@ -13,7 +13,7 @@ from ..model.sampling.step_cache import (
     StepCacheOptions,
 )
 from .bridge import io, log
-from .types import CATEGORY, Model
+from .socket_types import CATEGORY, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
 
 MODE_TOOLTIP = ("t8: T8 BlockCache's rule, what core's users know: reuse the other blocks' change from the last full "

@@ -1,10 +1,12 @@
-"""The route key's work is bounded by the graph (issue 58, item 1): each node is walked once however many inputs use
-it, a description that would double at every link is refused before it is written out, numbers that do not fit a
-double are refused by name with HTTP 400, and no message echoes an oversized value.
+"""The route key's work is bounded by the graph (issue 58, item 1; issue 64, item 5): each node is described and
+hashed once however many inputs use it, links written as the hash of the upstream description (a Merkle tree), so a
+chain whose nodes each use the one before twice costs one description a node; numbers that do not fit a double are
+refused by name with HTTP 400, and no message echoes an oversized value.
 
 Found as a hostile API client: 40 chained ImageBlend nodes, each blending the one before with itself, never got an
 answer (the key was computed once per path: depths 10 / 12 / 14 / 16 took 0.01 / 0.03 / 0.13 / 0.56 s), and
-`weight_dtype` = 10^400 gave an HTTP 500 (OverflowError)."""
+`weight_dtype` = 10^400 gave an HTTP 500 (OverflowError). Then the nested description (each node walked once, but
+written out once per path) refused that chain from 16 links on (2^16 copies of the image's hash over 8 MiB)."""
 
 import json
 import time
@@ -12,7 +14,15 @@ import time
 import pytest
 
 from qi21.nodes import observability, route_key as rk
-from qi21.nodes.route_key import MAX_DESCRIPTION, MAX_ID, MAX_OUTPUT, RouteKeyError, route_key, route_parts
+from qi21.nodes.route_key import (
+    MAX_DESCRIPTION,
+    MAX_ID,
+    MAX_OUTPUT,
+    RouteKeyError,
+    route_description,
+    route_key,
+    route_parts,
+)
 
 HASHES = {"a.png": "0" * 64}
 
@@ -57,20 +67,65 @@ def count_nodes_walked(monkeypatch) -> list:
 
 def test_a_node_used_by_several_inputs_is_walked_once(monkeypatch):
     walked = count_nodes_walked(monkeypatch)
-    parts = route_parts(blend_chain(10), image_hashes=HASHES)
+    described = route_description(blend_chain(10), image_hashes=HASHES)
     assert sorted(walked) == sorted(set(walked)) and len(walked) == 10 + 5  # the blends, ref, vae, te, enc, dit
-    # The description is the same nested one as ever: 2^10 copies of the image's hash, found by walking 10 nodes.
-    assert json.dumps(parts).count("0" * 64) == 2 ** 10
+    # Each description once, the image's hash in LoadImage's alone (the nested one held 2^10 copies of it).
+    assert len(described["nodes"]) == 1 + 10 + 5
+    assert json.dumps(described["nodes"]).count("0" * 64) == 1
+    assert route_parts(blend_chain(10), image_hashes=HASHES) == described["samplers"]
 
 
-def test_a_doubling_chain_is_refused_at_once_and_the_server_answers_the_next_graph():
+def hashed(graph) -> int:
+    return route_description(graph, image_hashes=HASHES)["characters_hashed"]
+
+
+@pytest.mark.parametrize("links", [16, 60, rk.MAX_DEPTH - 3])  # 197 blends + the reference and the encode: 200
+def test_a_doubling_chain_of_core_nodes_gets_its_key_with_work_linear_in_its_length(links):
+    """16 links was refused (`would exceed 8388608 characters`); now each link adds the same one description."""
+    status, answered = answer(blend_chain(links))
+    assert status == 200 and answered["route_key"] == route_key(blend_chain(links), image_hashes=HASHES)
+    per_link = hashed(blend_chain(2)) - hashed(blend_chain(1))
+    assert 0 < per_link < 300  # one ImageBlend: two 64-digit references, a factor, a mode
+    assert hashed(blend_chain(links)) == hashed(blend_chain(1)) + (links - 1) * per_link
+    assert len(answered["nodes"]) == 1 + links + 5
+
+
+def test_equal_graphs_give_equal_keys_and_a_change_deep_down_changes_it():
+    base = route_key(blend_chain(60), image_hashes=HASHES)
+    renamed = {f"n{node_id}": node for node_id, node in reversed(blend_chain(60).items())}  # other ids, other order
+    for node in renamed.values():
+        node["inputs"] = {name: ([f"n{value[0]}", value[1]] if isinstance(value, list) else value)
+                          for name, value in node["inputs"].items()}
+    assert route_key(renamed, image_hashes=HASHES) == base
+    reworded = blend_chain(60)
+    reworded["enc"]["inputs"]["prompt"] = "a dog"  # with references the words stay out of the key
+    assert route_key(reworded, image_hashes=HASHES) == base
+    for name, value in (("blend_factor", 0.25), ("blend_mode", "multiply"), ("image2", ["0", 1])):
+        deep = blend_chain(60)
+        deep["1"]["inputs"][name] = value  # the first blend, 60 links below the reference (image2: the mask)
+        assert route_key(deep, image_hashes=HASHES) != base, name
+    assert route_key(blend_chain(60), image_hashes={"a.png": "1" * 64}) != base  # other bytes of the image
+
+
+def test_the_server_answers_a_doubling_chain_at_once_and_then_the_next_graph():
     start = time.monotonic()
-    status, refused = answer(blend_chain(40))
-    assert time.monotonic() - start < 2.0  # was: never (2^40 walks)
-    assert status == 400 and f"exceed {MAX_DESCRIPTION} characters" in refused["error"]
-    assert "doubles at every link" in refused["error"]
+    status, answered = answer(blend_chain(40))
+    assert time.monotonic() - start < 2.0  # was: never (2^40 walks), then a 400 (2^40 characters to write out)
+    assert status == 200 and answered["route_key"] == route_key(blend_chain(40), image_hashes=HASHES)
     status, clean = answer(blend_chain(3))
     assert status == 200 and clean["route_key"] == route_key(blend_chain(3), image_hashes=HASHES)
+
+
+def test_what_is_hashed_is_bounded_and_refused_by_name():
+    graph = blend_chain(9)
+    for i in range(1, 10):  # nine modes of a MiB each: each node hashed once, 9 MiB together
+        graph[str(i)]["inputs"]["blend_mode"] = str(i) * rk.MAX_TEXT
+    status, refused = answer(graph)
+    assert status == 400 and f"exceed {MAX_DESCRIPTION} characters" in refused["error"], refused
+    assert len(refused["error"]) < 300
+    for i in (8, 9):
+        del graph[str(i)]["inputs"]["blend_mode"]
+    assert answer(graph)[0] == 200  # seven MiB and the rest: inside the bound
 
 
 def test_the_chain_bound_holds_for_a_node_reached_again_deeper():
@@ -158,14 +213,13 @@ def test_node_ids_that_are_digits_but_not_ascii_are_ordered_not_refused():
     assert status == 200 and len(answered["route_key"]) == rk.KEY_LENGTH
 
 
-def test_many_samplers_over_one_large_description_are_bounded_together():
-    graph = blend_chain(14)  # about 1.5 MB written out per sampler
+def test_many_samplers_over_one_chain_share_its_descriptions(monkeypatch):
+    graph = blend_chain(14)
     for i in range(12):  # each a different prefix (its own conditioning), so none is merged with another
-        graph[f"enc{i}"] = dict(graph["enc"], inputs={**graph["enc"]["inputs"], "text_encoder": ["te", 0],
-                                                      "references": ["ref", 0]})
+        graph[f"enc{i}"] = dict(graph["enc"], inputs={**graph["enc"]["inputs"], "text_encoder": [f"te{i}", 0]})
         graph[f"te{i}"] = {"class_type": "QI21TextEncoderLoader", "inputs": {"text_encoder_name": f"te{i}",
                                                                              "weight_dtype": "default"}}
-        graph[f"enc{i}"]["inputs"]["text_encoder"] = [f"te{i}", 0]
         graph[f"s{i}"] = {"class_type": "QI21Sampler", "inputs": {"model": ["dit", 0], "positive": [f"enc{i}", 0]}}
-    with pytest.raises(RouteKeyError, match="descriptions would exceed"):
-        route_key(graph, image_hashes=HASHES)
+    walked = count_nodes_walked(monkeypatch)
+    described = route_description(graph, image_hashes=HASHES)
+    assert len(described["samplers"]) == 13 and len(walked) == len(set(walked)) == 14 + 5 + 2 * 12

@@ -29,7 +29,7 @@ LAYERS = (
     ("model.options",),  # the options record on a model copy and the table of feature pairs
     ("nodes.comfy_standin",),
     ("nodes.bridge",),
-    ("nodes.types", "nodes.validation"),
+    ("nodes.socket_types", "nodes.validation"),
     ("nodes.placement",),
     ("nodes",),
 )

@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from qi21.nodes import observability
-from qi21.nodes.route_key import MAX_DEPTH, MAX_NODES, RouteKeyError, file_sha256, main, route_key, route_parts
+from qi21.nodes.route_key import (
+    MAX_DEPTH,
+    MAX_NODES,
+    RouteKeyError,
+    file_sha256,
+    main,
+    route_description,
+    route_key,
+    route_parts,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ROOT / "nodes" / "route_key.py"
@@ -43,6 +52,16 @@ def nodes_of(prompt: dict, kind: str) -> list[dict]:
     return [n for n in prompt.values() if n["class_type"] == kind]
 
 
+def expanded(described: dict, value):
+    """`value` with each reference replaced by the description it names, recursively (the nested form: fine for a
+    shipped graph, 2^depth for a doubling chain)."""
+    if isinstance(value, dict) and "ref" in value:
+        return expanded(described, described["nodes"][value["ref"]]["description"])
+    if isinstance(value, dict):
+        return {name: expanded(described, inner) for name, inner in value.items()}
+    return value
+
+
 def test_the_module_imports_only_the_standard_library():
     tree = ast.parse(MODULE.read_text())
     imported = set()
@@ -57,6 +76,17 @@ def test_the_module_imports_only_the_standard_library():
     code = (f"import runpy, sys; runpy.run_path({str(MODULE)!r}); "
             "assert not {'torch', 'numpy', 'PIL'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-I", "-c", code], check=True, timeout=60)
+
+
+def test_no_module_beside_it_shadows_the_standard_library():
+    """Run as a script, route_key.py has nodes/ first on `sys.path`: a nodes/types.py was imported for Python's
+    `types` (by argparse, under `python -S`) and failed on its relative import."""
+    beside = {path.stem for path in MODULE.parent.glob("*.py")} | {path.name for path in MODULE.parent.iterdir()
+                                                                     if (path / "__init__.py").is_file()}
+    assert not beside & set(sys.stdlib_module_names), beside & set(sys.stdlib_module_names)
+    for command in ([sys.executable, "-S", str(MODULE), "--help"], [sys.executable, "-m", "nodes.route_key", "--help"]):
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "--explain" in done.stdout, (command, done.stderr[-2000:])
 
 
 def test_every_shipped_api_workflow_has_a_key(inputs):
@@ -151,7 +181,8 @@ def test_the_lora_chain_and_the_control_net_are_in_the_key(inputs):
     changed = copy.deepcopy(control)
     nodes_of(changed, "QI21ControlNetLoader")[0]["inputs"]["control_net_name"] = "other_union.safetensors"
     assert route_key(changed, inputs) != key
-    parts = route_parts(control, inputs)[0]["model"]
+    described = route_description(control, inputs)
+    parts = expanded(described, described["samplers"][0]["model"])
     assert parts["control_net"]["control_net_name"].endswith("union_bf16.safetensors") and parts["strength"] == 1.0
 
 
