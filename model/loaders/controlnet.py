@@ -207,4 +207,7 @@ def apply_controlnet(model, net: FunControlNet, hint_for, strength: float = 1.0,
     new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object
     new.control = ControlPatch(net, strength, start_percent, end_percent, hint_for, model, layers,
                                name=net.source or "", inputs=tuple(inputs))
+    record = getattr(model, "options", None)  # a copy never carries a stale record (model/options.py)
+    if record is not None:
+        new.options = record.replace(control=net.source or "a Fun ControlNet")
     return new

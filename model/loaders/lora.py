@@ -491,4 +491,7 @@ def apply_lora(model: QwenImage21DiT, path, strength: float = 1.0, name: str | N
             linear.adapters = (*linear.adapters, LowRankBranch(pairs, strength))
     new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object
     new.loras = (*getattr(model, "loras", ()), AppliedLora(lora.name, strength, tuple(lora.notes())))
+    record = getattr(model, "options", None)  # a copy never carries a stale record (model/options.py)
+    if record is not None:
+        new.options = record.replace(loras=record.loras + ((lora.name, strength),))
     return new

@@ -248,9 +248,10 @@ def sample(model: QwenImage21DiT, positive: Conditioning, *, sigmas, width: int,
 
 
 def record_of(model, given=None) -> ModelOptions:
-    """The record a run follows: `given`, else the one the model copy carries (`with_options`), else a plain one.
-    A ControlNet or LoRAs applied to a copy through the Python API (`apply_controlnet`, `apply_lora`) without
-    `with_options` are added to it here, so the run never differs from what the copy holds."""
+    """The record a run follows: `given`, else the one the model copy carries (`with_options`; `apply_lora` and
+    `apply_controlnet` extend it on their copies), else a plain one. A bare model that never had a record (built
+    through the Python API, not a loader) gets the ControlNet or LoRAs applied to it here, so the run never differs
+    from what the copy holds."""
     record = given if given is not None else getattr(model, "options", None) or ModelOptions()
     control, loras = getattr(model, "control", None), getattr(model, "loras", ())
     if control is not None and record.control is None:
