@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..model.loaders.safetensors_io import shown
+from ..model.memory.weights import bytes_on
 
 log = logging.getLogger("qi21")
 
@@ -255,16 +256,6 @@ def vram_mode() -> str:
     return {"LOW_VRAM": "low", "NO_VRAM": "no", "HIGH_VRAM": "high"}.get(name, "normal")
 
 
-def _bytes_on(tensors, device: torch.device) -> int:
-    seen, total = set(), 0
-    for tensor in tensors:
-        if tensor is not None and id(tensor) not in seen and tensor.device == device:
-            seen.add(id(tensor))
-            # what it holds: a weight still waiting on its file is a one-element placeholder of its shape
-            total += min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes())
-    return total
-
-
 def memory_figures(device, modules=(), tensors=()) -> dict:
     """What a run may use on `device`, as plain numbers (the keyword arguments of the planner's `Budget`, which
     nodes/placement.py builds from them).
@@ -274,22 +265,19 @@ def memory_figures(device, modules=(), tensors=()) -> dict:
     what torch's allocator holds unused, plus what `modules` (our own models, moved by hand) already hold there.
     `tensors` already on the device that the run may reclaim (kept prefix caches) count in both cases. `held`:
     what `modules` hold there now. The host figure is the RAM available without swapping plus what `modules`
-    already hold in RAM (streamed weights are pinned in place of those copies).
-
-    On a CPU the device is the host: the RAM available without swapping (`memory_limit`) plus what `modules` and
-    `tensors` already hold.
-    """
+    already hold in RAM (streamed weights are pinned in place of those copies). On a CPU the device is the host:
+    the RAM available without swapping (`memory_limit`) plus what `modules` and `tensors` already hold."""
     device = torch.device(device)
     cpu = torch.device("cpu")
     module_tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
     available = memory_limit(cpu)
-    host_held = _bytes_on(module_tensors, cpu)
+    host_held = bytes_on(module_tensors, cpu)
     if device.type == "cpu":
-        held = host_held + _bytes_on(tensors, cpu)
+        held = host_held + bytes_on(tensors, cpu)
         return dict(device=(available if available is not None else 1 << 62) + held, host=None, unified=True,
                     where="cpu", held=held)
-    held = _bytes_on(module_tensors, device)
-    reclaim = _bytes_on(tensors, device)
+    held = bytes_on(module_tensors, device)
+    reclaim = bytes_on(tensors, device)
     host = None if available is None else available + host_held
     if HAVE_COMFY:
         free = _mm.get_free_memory(device)

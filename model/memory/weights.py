@@ -24,6 +24,17 @@ def tensor_bytes(tensors) -> int:
 
 
 
+def bytes_on(tensors, device: torch.device) -> int:
+    """What `tensors` hold on `device`, each counted once: a weight still waiting on its file is a one-element
+    placeholder of its shape, so its storage, not its shape, says what it holds."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is not None and id(tensor) not in seen and tensor.device == device:
+            seen.add(id(tensor))
+            total += min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes())
+    return total
+
+
 def module_tensors(module: nn.Module):
     """Every parameter and buffer of `module` and its submodules (each once)."""
     return [*module.parameters(), *module.buffers()]
