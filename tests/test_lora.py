@@ -30,7 +30,7 @@ from qi21.model.loaders.dit import load_dit
 from qi21.model.loaders.lora import LoraError, apply_lora, lora_set, read_lora
 from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
 from qi21.model.prefix_cache.layout import PrefixKVCache
-from qi21.model.sampling.loop import initial_noise, sample
+from qi21.model.sampling.loop import initial_noise, record_of, sample
 from qi21.model.sampling.schedule import TURBO_SIGMAS, base_sigmas, turbo_sigmas
 from qi21.nodes import bridge
 from qi21.nodes.loaders import QI21ModelLoader
@@ -367,8 +367,10 @@ def test_the_cache_key_holds_the_lora_set_and_strengths(dit_pair, tmp_path):
     reference, ours = dit_pair
     path = write_lora(tmp_path / "k.safetensors", lora_file_dict(make_lora(reference, ["proj_out"]), "diffusers"))
     one, half = apply_lora(ours, path, 1.0), apply_lora(ours, path, 0.5)
-    keys = [PrefixCacheStore.key(m, "cond", dtype=torch.float32) for m in (ours, one, half)]
-    assert keys[0][-1] == () and keys[1][-1] == (("k.safetensors", 1.0),) and keys[2][-1] == (("k.safetensors", 0.5),)
+    keys = [PrefixCacheStore.key(m, "cond", dtype=torch.float32, identity=record_of(m).kept_identity(m))
+            for m in (ours, one, half)]
+    assert keys[0][-1] == () and keys[1][-1] == (("lora", (("k.safetensors", 1.0),)),)
+    assert keys[2][-1] == (("lora", (("k.safetensors", 0.5),)),)
     assert len(set(keys)) == 3
 
 

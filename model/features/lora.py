@@ -25,5 +25,6 @@ FEATURE = Feature(
         "devices": Supported("the LoRA joins the workers' recipe; each rank applies it as this process does"),
     },
     start_run=lambda model, record, run: LoraPart(model.loras) if getattr(model, "loras", ()) else None,
+    kept_identity=lambda model, record: record.loras,  # another LoRA or strength never reuses a kept prefix
     route_inputs={"QI21LoraLoader": ("model", "lora_name", "strength")},
 )

@@ -53,6 +53,7 @@ class Feature:
     `fields`: record field -> default (the default is the plain model's). `check(record)` raises ValueError naming
     the input for a bad value. `is_on(record)`. `verdicts`: feature name -> `Supported` / `Refused`, for each
     feature before it in the registry's order. `start_run(model, record, run)` -> a `RunPart` or None.
+    `kept_identity(model, record)` -> a value a kept prefix cache must match (another value never reuses one).
     `route_inputs`: node id -> the inputs of that node the route key keeps
     (nodes/route_key.py holds the stdlib copy; tests/test_route_key.py checks the two agree)."""
 
@@ -63,6 +64,7 @@ class Feature:
     check: Callable = lambda record: None
     verdicts: dict = field(default_factory=dict)
     start_run: Callable | None = None
+    kept_identity: Callable | None = None
     route_inputs: dict = field(default_factory=dict)
 
 

@@ -115,6 +115,11 @@ class ModelOptions:
                 return f"{_FEATURES[a].label} and {_FEATURES[b].label} do not work together: {found.advice}"
         return None
 
+    def kept_identity(self, model) -> tuple:
+        """(feature, value) for each active feature that a kept prefix cache must match (kept_entries.py's key)."""
+        return tuple((feature.name, feature.kept_identity(model, self)) for feature in _FEATURES.values()
+                     if feature.kept_identity is not None and feature.is_on(self))
+
     def start_run(self, model, facts) -> list:
         """The `RunPart`s of the active features for one sampling run, in registration order."""
         parts = []

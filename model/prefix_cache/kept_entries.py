@@ -76,17 +76,17 @@ class PrefixCacheStore:
         self.peak_bytes = 0  # the most the kept caches held after any change
 
     @staticmethod
-    def key(model, *extra, dtype=None, storage: str = "default") -> tuple:
+    def key(model, *extra, dtype=None, storage: str = "default", identity: tuple = ()) -> tuple:
         """The model's identity and dtype, anything else that must match (`extra`: a Fun ControlNet's net and
-        strength for a controlled prefix), and last the model's LoRA set (name and strength of each: another
-        strength or another LoRA never reuses a prefix). The prefix itself is matched by content (`reuse`), not by
+        strength for a controlled prefix), and last what the model's features say a kept cache must match
+        (`identity`: the options record's `kept_identity`, e.g. the LoRA set with each strength: another strength
+        or another LoRA never reuses a prefix). The prefix itself is matched by content (`reuse`), not by
         key. A controlled copy is identified by the model it was applied to (`cache_owner`): a new control image
         reuses its prefix, and its steps outside the control's window share plain caches with that model's runs.
         A quantized cache (`storage` "int8" / "int4") adds its storage to the dtype ("torch.bfloat16/int8"): it is
         reused only by runs asking for the same storage."""
-        loras = tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
         stored = str(dtype) if storage == "default" else f"{dtype}/{storage}"
-        return (id(cache_owner(model)), stored, *extra, loras)
+        return (id(cache_owner(model)), stored, *extra, tuple(identity))
 
     @property
     def limit_bytes(self) -> int:

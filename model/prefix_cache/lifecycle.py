@@ -57,8 +57,9 @@ class RunCaches:
     """The run's caches by phase (False: plain; True: with the control). `get(phase)` plans on first use."""
 
     def __init__(self, model, prefixes, runs, *, store: PrefixCacheStore | None, keep_cache: bool, new_cache,
-                 device, dtype, storage=None, prefix_key: str | None = None):
+                 device, dtype, storage=None, prefix_key: str | None = None, identity: tuple = ()):
         self.model, self.prefixes, self.runs, self.prefix_key = model, prefixes, runs, prefix_key
+        self.identity = identity  # what the model's features say a kept cache must match (the record's)
         self.storage = storage  # None (the compute dtype) or a cache_storage.QuantizedRows
         self.store, self.keep_cache, self.new_cache = store, keep_cache, new_cache or PrefixKVCache
         self.compute_device, self.dtype = device, dtype
@@ -83,7 +84,7 @@ class RunCaches:
         `keep_cache`) or shared with another prefix of the run; filled already when nothing is left to compute."""
         model, runs = self.model, self.runs
         extra = (self.control.cache_key,) if controlled else ()
-        key = PrefixCacheStore.key(model, *extra, dtype=self.dtype, storage=self.storage_name)
+        key = PrefixCacheStore.key(model, *extra, dtype=self.dtype, storage=self.storage_name, identity=self.identity)
         layers = self.layers(controlled)
         cache = self.new_cache()
         cache.storage = self.storage

@@ -303,7 +303,7 @@ def run(model: QwenImage21DiT, spec: RunSpec, services: RunServices = RunService
     # the caches are planned on first use: a kept entry they take out of the store is handled by `close` below
     caches = RunCaches(model, prefixes, runs, store=services.store, keep_cache=spec.keep_cache,
                        new_cache=services.new_cache, device=device, dtype=dtype, storage=storage,
-                       prefix_key=prefix_key) if cached else None
+                       prefix_key=prefix_key, identity=record.kept_identity(model)) if cached else None
     interrupt = None if services.check_interrupt is None else EveryBlock(lambda index: services.check_interrupt())
 
     def phase_at(sigma) -> bool:
