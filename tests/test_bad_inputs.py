@@ -26,7 +26,7 @@ from qi21.model.loaders.safetensors_io import CheckpointError
 from qi21.model.sampling import loop as sampling
 from qi21.model.transformer.dit import QwenImage21DiT
 from qi21.model.vae.autoencoder import QwenImage21VAE
-from qi21.nodes import bridge, placement, samplers
+from qi21.nodes import bridge, placement
 from qi21.nodes.conditioning import QI21Reference, QI21TextEncode
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
@@ -351,7 +351,7 @@ def test_sampler_settings_are_refused_before_the_model_moves(loaded, positive, m
     model = loaded["model" if node is QI21Sampler else "turbo"]
     for owner, moves_the_model in ((placement, "on_device"), (placement, "place"), (bridge, "load_managed")):
         monkeypatch.setattr(owner, moves_the_model, _forbid)
-    monkeypatch.setattr(samplers, "initial_noise", _forbid)
+    monkeypatch.setattr(sampling, "initial_noise", _forbid)  # the run draws it (loop.run)
     kwargs = dict(BASE_DEFAULTS if node is QI21Sampler else TURBO_DEFAULTS, **change)
     with pytest.raises(ValueError, match=says):
         node.execute(model, positive, **kwargs)

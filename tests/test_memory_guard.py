@@ -7,8 +7,9 @@ import pytest
 
 import graph_fixtures as gf
 from qi21.model.memory.estimate import GIB, estimate_run
+from qi21.model.sampling import loop
 from qi21.model.transformer.dit import DiTConfig
-from qi21.nodes import bridge, samplers
+from qi21.nodes import bridge
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
 
 
@@ -23,7 +24,7 @@ def no_noise(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("noise was drawn: the run was not refused before allocating")
 
-    monkeypatch.setattr(samplers, "initial_noise", refuse)
+    monkeypatch.setattr(loop, "initial_noise", refuse)  # the run draws it (loop.run)
 
 
 def test_a_run_that_cannot_fit_is_refused_before_any_allocation(turbo, monkeypatch, no_noise):
