@@ -147,7 +147,7 @@ def judge(result, input_dir: Path) -> tuple[str, str]:
     seen = [analyse(_rgba(p)).reading for p in pictures]
     shown = "; ".join(" ".join(map(str, reading)) for reading in seen)
     if result.references > 1:
-        return "n/a", (f"the toy learnt edits of one reference only; over {result.references} it draws a mix of them "
+        return "n/a", (f"the toy learnt edits of one reference only and does not follow one over {result.references} "
                        f"(saw {shown}); the real model composes them")
     source = None
     if result.references == 1:
@@ -185,8 +185,8 @@ def contact_sheet(entries: list[tuple], path: Path, columns: int = 4) -> Path:
             if line < 2:
                 draw.text((x + 4, y + tile + 16 + 12 * line), prompt[start : start + 40], fill=(60, 60, 60))
         if verdict:
-            draw.text((x + 4, y + tile + 42), verdict[0][:40], fill=(0, 110, 0) if verdict[0].startswith("drew: yes")
-                      else (170, 0, 0))
+            shade = {"drew: yes": (0, 110, 0), "drew: no": (170, 0, 0)}.get(verdict[0], (110, 110, 110))
+            draw.text((x + 4, y + tile + 42), verdict[0][:40], fill=shade)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
     return path
