@@ -399,15 +399,16 @@ def test_the_main_job_on_the_toy_draws_what_each_workflow_asks(tmp_path, capsys)
     assert sheet.size == (4 * 256, 2 * (256 + 56))  # 6 tiles of 4 a row, each with its caption
 
 
-def test_own_words_and_seed_on_one_shipped_workflow(tmp_path, capsys):
-    out = tmp_path / "out"
-    args = ["--out", str(out), "--only", "text_to_image_turbo", "--prompt", "a large green circle on the left, black "
-            "background", "--seed", "7"]
-    assert run_workflows.main(args) == 0
-    (result,) = json.loads((out / "summary.json").read_text())["workflows"]
-    assert result["prompts"] == ["a large green circle on the left, black background"]
-    assert result["drew"] == "yes" and result["drew_detail"].startswith("asked black green left"), result
-    report = json.loads((out / "text_to_image_turbo" / "qi21_report_5.json").read_text())
-    assert report and "seed 42 -> 7 (--seed)" in " ".join(result["notes"])
-    assert run_workflows.main(["--out", str(out), "--only", "no_such_workflow"]) == 1
+def test_own_words_and_seed_replace_every_prompt_and_seed_after_the_toys(tmp_path, capsys):
+    """--prompt and --seed as the runner applies them (the toy test above runs the same chain end to end)."""
+    overrides = run_workflows.chain(lambda workflow, class_type, kwargs: [], run_workflows.user_overrides("mine", 7))
+    encode, sampler, loader = {"prompt": "a toy prompt"}, {"seed": 42}, {"model_name": "x"}
+    assert overrides("img2img", "QI21TextEncode", encode) == ["prompt 'a toy prompt' -> 'mine' (--prompt)"]
+    assert overrides("img2img", "QI21TurboSampler", sampler) == ["seed 42 -> 7 (--seed)"]
+    assert overrides("img2img", "QI21ModelLoader", loader) == [] and (encode, sampler) == ({"prompt": "mine"},
+                                                                                            {"seed": 7})
+    assert run_workflows.chain(None, None) is None
+    assert run_workflows.main(["--out", str(tmp_path), "--only", "img2img,no_such_workflow"]) == 1
     assert "no workflow named no_such_workflow; the choices: base_speed_lora" in capsys.readouterr().out
+    assert run_workflows.main(["--out", str(tmp_path), "--only", "img2img", "--seed", "-1"]) == 1
+    assert "--seed -1: a seed is between 0 and 2**64 - 1." in capsys.readouterr().out
