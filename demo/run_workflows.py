@@ -1,12 +1,15 @@
 """Run the shipped API-format workflows headlessly through the pack's own node classes; no ComfyUI needed.
 
     python demo/run_workflows.py [--models DIR] [--out DIR] [--workflows PATH] [--input DIR] [--quick] [--verbose]
+                                 [--only NAME[,NAME]] [--prompt TEXT] [--seed N]
     python -m demo.run_workflows ...     (the same, from the repository root)
 
 By default the models are the toy trained here (demo/toy_model.py: it draws flat shapes, mostly as its prompt
 asks, docs/toy-model.md): the shipped workflows run with a prompt of that vocabulary in place of theirs and toy scenes
-as their input images, and `<out>/contact_sheet.png` shows every output with its prompt. `--random` uses the tiny random
-set instead (every file layout, images are noise), `--models DIR` real weights.
+as their input images; each picture is read (demo/toy_eval.py) and the table says whether it shows what was asked
+(`drew`), and `<out>/contact_sheet.png` shows every output with its prompt and that verdict. `--random` uses the tiny
+random set instead (every file layout, images are noise), `--models DIR` real weights. `--only` runs the named
+workflows, `--prompt` gives every text encoder of them your words instead, `--seed` every sampler your seed.
 
 Every `*.json` in `--workflows` (default: workflows/api/) is run the way ComfyUI's executor would run it:
 the graph is validated first (known node types, required inputs present, links pointing at an existing output
@@ -22,6 +25,10 @@ implemented here with ComfyUI's conventions:
 - SaveImage / PreviewImage / MaskPreview: PNGs under `<out>/<workflow>/`, RGB for 3-channel and RGBA for
   4-channel IMAGEs, a MASK as grey levels; the workflow is embedded in each PNG as ComfyUI embeds it.
 
+The official templates' counterparts run through the stand-ins of demo/core_standins.py (KSamplerSelect, their
+prompt enhancer's switch, which is off: its language model never runs here) and, with the toy or random set, their
+int8 ConvRot file names hold that set's plain weights (`write_template_files`).
+
 Each sampler's `qi21_report` is written next to the images as `qi21_report_<node id>.json`, a summary table is
 printed and written to `<out>/summary.json`, and the exit status is 1 if any workflow failed (or none was found).
 
@@ -34,6 +41,7 @@ capped so every workflow runs in seconds on a CPU, and the output says so.
 import argparse
 import importlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -55,12 +63,62 @@ from .core_nodes import WorkflowError, input_file_name, write_example_images
 from .pack_import import ROOT
 from .tiny_checkpoints import write_tiny_checkpoints
 from .toy_model import write_toy_checkpoints
-from .toy_workflows import contact_sheet, toy_overrides, write_toy_inputs
+from .toy_workflows import TOY_RUN_NOTES, contact_sheet, judge, toy_overrides, write_toy_inputs
 from .workflow_runner import QUICK_NOTE, TINY_BANNER, Runner, WorkflowResult, load_workflow
 
 TOY_BANNER = ("USING THE TOY MODEL TRAINED HERE (demo/toy_model.py): flat shapes on the asked background, the asked "
-              "colour and side in 19 of 20 held-out prompts at cfg 1 (docs/toy-model.md); --models for real weights")
+              "colour and side in 38 of 40 held-out prompts and 19 of 20 edits at cfg 1 (docs/toy-model.md); --models "
+              "for real weights")
 SHIPPED_WORKFLOWS = ROOT / "workflows" / "api"
+#: The official templates load int8 ConvRot files; the toy and random sets have their weights only as the plain
+#: files, so those are written under these names too (the int8 format itself is tested in tests/test_quantized.py).
+TEMPLATE_FILES = {"diffusion_models": {"qwen_image_2.1_int8_convrot.safetensors": "qwen_image_2.1_bf16.safetensors",
+                                       "qwen_image_2.1_turbo_int8_convrot.safetensors":
+                                           "qwen_image_2.1_turbo_bf16.safetensors"},
+                  "text_encoders": {"qwen3vl_8b_int8_convrot.safetensors": "qwen3vl_8b_bf16.safetensors"}}
+
+
+def write_template_files(models: Path) -> None:
+    """The official templates' file names in a generated models folder, as copies of its plain files (with the text
+    encoder's tokenizer folder, which sits beside its file under the file's stem)."""
+    for folder, names in TEMPLATE_FILES.items():
+        for name, plain in names.items():
+            shutil.copyfile(models / folder / plain, models / folder / name)
+            tokenizer = models / folder / (Path(plain).stem + "_tokenizer")
+            if tokenizer.is_dir():
+                shutil.copytree(tokenizer, models / folder / (Path(name).stem + "_tokenizer"), dirs_exist_ok=True)
+
+
+def user_overrides(prompt: str | None, seed: int | None):
+    """`--prompt` and `--seed` as a runner override: every written prompt (after the toy's) and every sampler seed."""
+    def override(workflow: str, class_type: str, kwargs: dict) -> list[str]:
+        changed = []
+        if prompt is not None and class_type == "QI21TextEncode" and isinstance(kwargs.get("prompt"), str):
+            changed.append(f"prompt {kwargs['prompt'][:40]!r} -> {prompt!r} (--prompt)")
+            kwargs["prompt"] = prompt
+        if seed is not None and class_type in ("QI21Sampler", "QI21TurboSampler") and kwargs.get("seed") != seed:
+            changed.append(f"seed {kwargs.get('seed')} -> {seed} (--seed)")
+            kwargs["seed"] = seed
+        return changed
+    return override
+
+
+def chain(*overrides):
+    """One runner override that applies each of `overrides` (None: skipped) in turn."""
+    present = [o for o in overrides if o is not None]
+    if not present:
+        return None
+    return lambda workflow, class_type, kwargs: [c for o in present for c in o(workflow, class_type, kwargs)]
+
+
+def only(workflows: list[Path], names: str) -> tuple[list[Path], str | None]:
+    """The workflows `--only` names (comma-separated stems), or an error naming the unknown ones and the choices."""
+    wanted = [n.strip().removesuffix(".json") for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in {p.stem for p in workflows}]
+    if unknown or not wanted:
+        return [], (f"--only {names!r}: no workflow named {', '.join(unknown) or '(none given)'}; the choices: "
+                    + ", ".join(p.stem for p in workflows))
+    return [p for p in workflows if p.stem in wanted], None
 
 
 # -- command line ------------------------------------------------------------------------------------------------
@@ -103,12 +161,19 @@ def _status(result: WorkflowResult) -> str:
 
 def print_summary(results: list[WorkflowResult], banner: str | None, out_dir: Path, log=print) -> None:
     width = max([len(r.name) for r in results] + [8])
+    judged = any(r.drew for r in results)
+    drew = (lambda r: f"{r.drew or '-':<4}  ") if judged else (lambda r: "")
     log("")
-    log(f"{'workflow':<{width}}  {'result':<6}  {'time':>7}  {'images':>6}  sampler report")
-    log(f"{'-' * width}  ------  -------  ------  {'-' * 40}")
+    log(f"{'workflow':<{width}}  {'result':<6}  " + ("drew  " if judged else "") + f"{'time':>7}  {'images':>6}  "
+        "sampler report")
+    log(f"{'-' * width}  ------  " + ("----  " if judged else "") + f"-------  ------  {'-' * 40}")
     for r in results:
-        log(f"{r.name:<{width}}  {_status(r):<6}  {r.seconds:6.1f}s  {len(r.images):>6}  "
+        log(f"{r.name:<{width}}  {_status(r):<6}  {drew(r)}{r.seconds:6.1f}s  {len(r.images):>6}  "
             f"{_report_summary(r.reports)}")
+    if judged:
+        log("\nwhat each picture shows (demo/toy_eval.py reads background, colour and side):")
+        for r in results:
+            log(f"  {r.name:<{width}}  drew: {r.drew or '-'}  {r.drew_detail}")
     for r in results:
         if r.error:
             log(f"\n{r.name} FAILED: {r.error}")
@@ -117,8 +182,10 @@ def print_summary(results: list[WorkflowResult], banner: str | None, out_dir: Pa
             log(f"\n{r.name} skipped: {r.skipped}")
     ok = sum(r.ok for r in results)
     skipped = sum(bool(r.skipped) for r in results)
+    counts = {verdict: sum(r.drew == verdict for r in results) for verdict in ("yes", "no", "n/a")}
     log(f"\n{ok}/{len(results)} workflows ok" + (f", {skipped} skipped" if skipped else "")
-        + f"; images and reports in {out_dir}")
+        + (f"; {counts['yes']}/{len(results)} drew what they were asked ({counts['no']} did not, {counts['n/a']} not "
+           "judged)" if judged else "") + f"; images and reports in {out_dir}")
     if banner:
         log(banner)
 
@@ -140,6 +207,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="cap sizes and steps as the tiny random set always does: a fast smoke run of real weights")
     parser.add_argument("--verbose", action="store_true", help="per-node timings, notes and tracebacks")
+    parser.add_argument("--only", default=None, metavar="NAME[,NAME]",
+                        help="run only these workflows (file names without .json, e.g. img2img,official_t2i)")
+    parser.add_argument("--prompt", default=None, help="your words in place of every written prompt (the toy's or the "
+                        "workflow's); on the toy, its vocabulary (docs/toy-model.md) is what it can draw")
+    parser.add_argument("--seed", type=int, default=None, help="this seed for every sampler")
     return parser.parse_args(argv)
 
 
@@ -152,6 +224,14 @@ def main(argv=None) -> int:
     workflows = find_workflows(args.workflows)
     if not workflows:
         print(f"No API-format workflows (*.json) found at {args.workflows}; nothing to run.")
+        return 1
+    if args.only is not None:
+        workflows, problem = only(workflows, args.only)
+        if problem:
+            print(problem)
+            return 1
+    if args.seed is not None and not 0 <= args.seed <= 0xFFFFFFFFFFFFFFFF:
+        print(f"--seed {args.seed}: a seed is between 0 and 2**64 - 1.")
         return 1
     if args.models is not None and not args.models.is_dir():
         print(f"--models {args.models}: no such folder.")
@@ -169,6 +249,7 @@ def main(argv=None) -> int:
             tick = time.perf_counter()
             write = write_tiny_checkpoints if tiny else write_toy_checkpoints
             models = write(Path(scratch))["root"]
+            write_template_files(models)
             print(f"  wrote the {'tiny random' if tiny else 'toy'} model set to {models} in "
                   f"{time.perf_counter() - tick:.1f} s")
         else:
@@ -183,10 +264,12 @@ def main(argv=None) -> int:
             if quick:
                 on_cpu = bridge.compute_device().type == "cpu"
                 print(f"  {QUICK_NOTE}" + (", weights in fp32 (no fast bf16 on this CPU)" if on_cpu else ""))
-            overrides = toy_overrides if toy and shipped else None
-            if overrides:
+            overrides = chain(toy_overrides if toy and shipped else None, user_overrides(args.prompt, args.seed))
+            if toy and shipped:
                 print("  the shipped workflows' prompts are for the real model: each runs with a prompt of the toy's "
                       "vocabulary instead, at 256x256 (demo/toy_workflows.py)")
+                for note in TOY_RUN_NOTES:
+                    print(f"  {note}")
             runner = Runner(out_dir, input_dir, quick, args.verbose, overrides=overrides)
             print(f"Running {len(workflows)} workflow(s) from {args.workflows}")
             results = []
@@ -194,9 +277,12 @@ def main(argv=None) -> int:
                 print(f"[{index}/{len(workflows)}] {path.name}")
                 result = runner.run(path)
                 results.append(result)
+                if toy:
+                    result.drew, result.drew_detail = judge(result, input_dir)
                 print(f"    {_status(result)} in {result.seconds:.1f} s, {len(result.images)} image(s)"
                       + (f": {result.error or result.skipped}" if result.error or result.skipped else "")
-                      + (f"; prompt {result.prompts[0]!r}" if toy and result.prompts else ""))
+                      + (f"; prompt {result.prompts[0]!r}" if toy and result.prompts else "")
+                      + (f"; drew: {result.drew} ({result.drew_detail})" if toy and result.ok else ""))
                 if args.verbose:
                     for note in result.notes:
                         print(f"    note: {note}")
@@ -207,15 +293,15 @@ def main(argv=None) -> int:
             bridge.set_models_root(previous_root)
     summary = [{
         "workflow": r.name, "ok": r.ok, "skipped": r.skipped, "seconds": round(r.seconds, 3), "error": r.error,
-        "notes": r.notes, "prompts": r.prompts,
+        "notes": r.notes, "prompts": r.prompts, "drew": r.drew, "drew_detail": r.drew_detail,
         "images": [str(p) for p in r.images],
         "reports": [{"node": node_id, "file": str(path), "report": entries} for node_id, entries, path in r.reports],
     } for r in results]
     model = "tiny_random" if tiny else "toy" if toy else "given"
     (out_dir / "summary.json").write_text(json.dumps({"tiny_random_checkpoint": tiny, "model": model,
                                                       "workflows": summary}, indent=2) + "\n", encoding="utf-8")
-    sheet = [(r.name, r.prompts[0] if r.prompts else "", p) for r in results for p in r.images
-             if p.suffix == ".png" and not p.name.startswith("preview_")]
+    sheet = [(r.name, r.prompts[0] if r.prompts else "", p, *([f"drew: {r.drew}"] if r.drew else []))
+             for r in results for p in r.images if p.suffix == ".png" and not p.name.startswith("preview_")]
     if sheet:
         print(f"contact sheet: {contact_sheet(sheet, out_dir / 'contact_sheet.png')}")
     print_summary(results, banner, out_dir)

@@ -1,6 +1,6 @@
 """The headless workflow runner: an API-format workflow run node by node through the pack's own node classes and
-the few core nodes demo/core_nodes.py implements, with loaders' outputs reused across workflows. The command line
-around it is run_workflows.py."""
+the core nodes demo/core_nodes.py and demo/core_standins.py implement, with loaders' outputs reused across
+workflows. The command line around it is run_workflows.py."""
 
 import heapq
 import inspect
@@ -17,6 +17,7 @@ import torch
 from ..model.encoders.references import MIN_VLM_PIXELS, reference_size
 from ..nodes import NODES, bridge
 from ..nodes.validation import widget_option, widget_problem
+from . import core_standins
 from .core_nodes import (
     WorkflowError,
     core_schemas,
@@ -74,14 +75,6 @@ def load_workflow(path: Path) -> dict[str, dict]:
 
 
 # -- the runner ------------------------------------------------------------------------------------------------
-#: Core nodes the official templates' counterparts use that this runner leaves to a real ComfyUI: a ComfyUI sampler
-#: (KSamplerSelect), the prompt enhancer (a language model: CLIPLoader, TextGenerate) and its switch, reference
-#: batching, and core's edge detector (Canny, the ControlNet example's preprocessor). A workflow with one of them is
-#: reported as skipped, naming them; any other unknown node fails it.
-COMFYUI_ONLY = frozenset({"KSamplerSelect", "CLIPLoader", "TextGenerate", "ComfySwitchNode", "PrimitiveStringMultiline",
-                          "PreviewAny", "ImageBatch", "Canny"})
-
-
 @dataclass
 class WorkflowResult:
     name: str
@@ -92,8 +85,12 @@ class WorkflowResult:
     notes: list = field(default_factory=list)
     error: str | None = None
     details: str | None = None
-    skipped: str | None = None  # why it needs a real ComfyUI (core nodes this runner does not implement)
+    skipped: str | None = None  # why it needs a real ComfyUI (its prompt enhancer is switched on)
     prompts: list = field(default_factory=list)  # what each QI21TextEncode node encoded
+    loaded: list = field(default_factory=list)  # the files its LoadImage nodes read, in the order they ran
+    references: int = 0  # how many QI21Reference nodes ran
+    drew: str | None = None  # on the toy: "yes" / "no" / "n/a" (run_workflows.py judges it)
+    drew_detail: str = ""  # what was asked and what was seen, or why it was not judged
 
 
 class Runner:
@@ -108,6 +105,7 @@ class Runner:
         self.classes = {cls.define_schema().node_id: cls for cls in NODES}  # after set_models_root: combo lists
         self.schemas = {node_id: cls.define_schema() for node_id, cls in self.classes.items()}
         self.schemas.update(core_schemas())
+        self.schemas.update(core_standins.schemas())
         self.loader_cache: dict[tuple, tuple] = {}
 
     # validation ---------------------------------------------------------------------------------------------
@@ -125,6 +123,7 @@ class Runner:
         if not outputs:
             raise WorkflowError("the workflow has no output node (SaveImage, PreviewImage or MaskPreview), so ComfyUI "
                                 "would run nothing.")
+        untaken = core_standins.untaken_inputs(nodes)
         needed, stack = set(), list(outputs)
         while stack:
             node_id = stack.pop()
@@ -132,7 +131,7 @@ class Runner:
                 continue
             needed.add(node_id)
             for name, value in nodes[node_id].get("inputs", {}).items():
-                if _is_link(value):
+                if _is_link(value) and untaken.get(node_id) != name:  # a switch's other branch never runs
                     source = str(value[0])
                     if source not in nodes:
                         raise WorkflowError(f"node {node_id} ({nodes[node_id]['class_type']}): input {name!r} links to "
@@ -141,8 +140,8 @@ class Runner:
         users = {i: [] for i in needed}
         waiting = {i: 0 for i in needed}
         for node_id in needed:
-            for value in nodes[node_id].get("inputs", {}).values():
-                if _is_link(value):
+            for name, value in nodes[node_id].get("inputs", {}).items():
+                if _is_link(value) and untaken.get(node_id) != name:
                     users[str(value[0])].append(node_id)
                     waiting[node_id] += 1
         ready = [(_node_order_key(i), i) for i, count in waiting.items() if count == 0]
@@ -162,8 +161,14 @@ class Runner:
     def validate(self, nodes: dict, order: list[str], notes: list[str]) -> None:
         """Everything ComfyUI checks before running, all problems reported at once."""
         problems = []
+        untaken = _upstream(nodes, [nodes[i]["inputs"][name] for i, name in core_standins.untaken_inputs(nodes).items()
+                                    if i in order and _is_link(nodes[i]["inputs"].get(name))]) - set(order)
         for node_id, node in nodes.items():
-            if node_id not in order:
+            if node_id in untaken:
+                notes.append(f"node {node_id} ({node['class_type']}) feeds only a switch's branch that is off, so it "
+                             "does not run (ComfyUI's switch is lazy; ComfyUI still checks its inputs, this runner "
+                             "does not)")
+            elif node_id not in order:
                 notes.append(f"node {node_id} ({node['class_type']}) leads to no output node; ComfyUI would skip it")
         for node_id in order:
             node, schema = nodes[node_id], self._schema(node_id, nodes[node_id])
@@ -241,6 +246,8 @@ class Runner:
             if port.id in values:
                 value = values[port.id]
                 if _is_link(value):
+                    if str(value[0]) not in outputs:  # a switch's branch that is off: never evaluated
+                        continue
                     value = outputs[str(value[0])][value[1]]
                     if value is None:  # an optional output left empty upstream: as if unconnected
                         continue
@@ -285,7 +292,13 @@ class Runner:
     def _execute(self, node_id: str, node: dict, kwargs: dict, workflow: dict, folder: Path, result: WorkflowResult):
         class_type = node["class_type"]
         if class_type == "LoadImage":
-            return load_image(self.input_dir / input_file_name(kwargs["image"]))
+            result.loaded.append(input_file_name(kwargs["image"]))
+            return load_image(self.input_dir / result.loaded[-1])
+        if class_type in core_standins.RUNS:
+            output = core_standins.RUNS[class_type](**kwargs)
+            if class_type == "PreviewAny":
+                result.notes.append(f"node {node_id} (PreviewAny) shows {output[0][:80]!r}")
+            return output
         if class_type == "SetLatentNoiseMask":
             return set_latent_noise_mask(**kwargs)
         if class_type == "ManualSigmas":
@@ -321,12 +334,13 @@ class Runner:
         current = None
         try:
             nodes = load_workflow(path)
-            core = sorted({n["class_type"] for n in nodes.values() if n["class_type"] in COMFYUI_ONLY})
-            if core:  # the official templates' counterparts: a real ComfyUI runs them (tests/test_comfyui_server.py)
-                result.skipped = f"needs ComfyUI for its core nodes {', '.join(core)}"
+            order = self._needed(nodes)
+            enhancer = sorted({nodes[i]["class_type"] for i in order} & core_standins.PROMPT_ENHANCER)
+            if enhancer:  # a language model writes its prompt: only ComfyUI loads one (tests/test_comfyui_server.py)
+                result.skipped = (f"its prompt enhancer is switched on: {', '.join(enhancer)} run a language model "
+                                  "(the PE file) that only ComfyUI loads; switch it off to run it here")
                 result.seconds = time.perf_counter() - start
                 return result
-            order = self._needed(nodes)
             self.validate(nodes, order, result.notes)
             self._keep_loaded(nodes, order, path.stem)
             folder = self.out_dir / path.stem
@@ -342,9 +356,11 @@ class Runner:
                 if self.overrides is not None:
                     changed = self.overrides(path.stem, node["class_type"], kwargs)
                     if changed:
-                        result.notes.append(f"node {node_id} ({node['class_type']}): {', '.join(changed)} (toy)")
+                        result.notes.append(f"node {node_id} ({node['class_type']}): {', '.join(changed)} "
+                                            "(rewritten for this run)")
                 if node["class_type"] == "QI21TextEncode" and isinstance(kwargs.get("prompt"), str):
                     result.prompts.append(kwargs["prompt"])
+                result.references += node["class_type"] == "QI21Reference"
                 tick = time.perf_counter()
                 outputs[node_id] = self._execute(node_id, node, kwargs, nodes, folder, result)
                 if self.verbose:
@@ -382,6 +398,17 @@ class Runner:
         mtime, digest) are the same, as ComfyUI's node cache does: a file replaced on disk is loaded again."""
         fingerprint = self.classes[class_type].fingerprint_inputs(**kwargs)
         return class_type, json.dumps(kwargs, sort_keys=True, default=str), fingerprint
+
+
+def _upstream(nodes: dict, links: list) -> set[str]:
+    """The ids of the nodes these links read, and of everything those read."""
+    seen, stack = set(), [str(link[0]) for link in links]
+    while stack:
+        node_id = stack.pop()
+        if node_id in nodes and node_id not in seen:
+            seen.add(node_id)
+            stack += [str(v[0]) for v in nodes[node_id].get("inputs", {}).values() if _is_link(v)]
+    return seen
 
 
 def _widget_fits(port, value) -> bool:

@@ -9,6 +9,7 @@ RGBA PNGs and the samplers' reports, and fail loudly, with the reason, on a brok
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -356,18 +357,58 @@ SHIPPED = sorted((ROOT / "workflows" / "api").glob("*.json"))
 
 
 def test_the_shipped_workflows_run_green_on_the_tiny_set(tmp_path, tiny_models, capsys):
+    models = tmp_path / "models"  # the shared set is never written to: a copy, with the templates' file names
+    shutil.copytree(tiny_models["root"], models)
+    run_workflows.write_template_files(models)
     out = tmp_path / "out"
-    assert run_workflows.main(["--models", str(tiny_models["root"]), "--quick", "--out", str(out)]) == 0, \
-        capsys.readouterr().out
+    assert run_workflows.main(["--models", str(models), "--quick", "--out", str(out)]) == 0, capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
-    assert len(summary["workflows"]) == len(SHIPPED)
-    core_only = {w["workflow"] for w in summary["workflows"]
-                 if w["workflow"].startswith("official_") or w["workflow"] == "controlnet_canny"}
-    ran = [w for w in summary["workflows"] if w["workflow"] not in core_only]
-    assert ran and all(w["ok"] and w["images"] for w in ran)
-    assert "controlnet_inpaint" in {w["workflow"] for w in ran}
-    # the official templates' counterparts and the canny example use core nodes (KSamplerSelect, the prompt
-    # enhancer, Canny): a real ComfyUI runs them (tests/test_comfyui_server.py); here they are skipped by name
-    for w in summary["workflows"]:
-        if w["workflow"] in core_only:
-            assert not w["ok"] and w["skipped"].startswith("needs ComfyUI for its core nodes"), w
+    assert len(summary["workflows"]) == len(SHIPPED) == 18
+    # every one runs, the official templates' counterparts (KSamplerSelect, the prompt enhancer's switch, which is off)
+    # and the canny example (Canny) through demo/core_standins.py
+    assert all(w["ok"] and w["images"] and not w["skipped"] for w in summary["workflows"]), summary
+    printed = capsys.readouterr().out
+    assert "18/18 workflows ok" in printed and "drew" not in printed  # the verdict is the toy's alone
+    notes = {w["workflow"]: " ".join(w["notes"]) for w in summary["workflows"]}
+    assert "node 12 (TextGenerate) feeds only a switch's branch that is off" in notes["official_image_edit"]
+    assert "(PreviewAny) shows 'Replace costumes for the character'" in notes["official_image_edit"]
+    edges = sorted((out / "controlnet_canny").glob("preview_6_*.png"))  # the Canny node's output, previewed
+    assert len(edges) == 1 and Image.open(edges[0]).size == (512, 384)  # the example image's size
+
+
+#: Workflows the toy test runs: each stand-in (Canny, KSamplerSelect, the switch and PreviewAny), the toy's own
+#: inputs (the inpainting source's alpha, img2img's denoise) and the pixel-aligned edit's instruction.
+TOY_CHECKED = ("controlnet_canny", "edit_pixel_aligned", "img2img", "inpaint_with_a_mask",
+               "official_background_removal", "official_turbo_t2i")
+
+
+def test_the_main_job_on_the_toy_draws_what_each_workflow_asks(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_workflows.main(["--out", str(out), "--only", ",".join(TOY_CHECKED)]) == 0
+    printed = capsys.readouterr().out
+    results = {w["workflow"]: w for w in json.loads((out / "summary.json").read_text())["workflows"]}
+    assert sorted(results) == sorted(TOY_CHECKED)
+    for name, result in results.items():
+        assert result["ok"] and result["drew"] == "yes", (name, result["drew_detail"], printed)
+    assert results["official_background_removal"]["drew_detail"].startswith("asked transparent red center")
+    (edges,) = (out / "controlnet_canny").glob("preview_6_*.png")  # Canny's outline of the toy's red circle
+    assert 0.005 < (np.asarray(Image.open(edges))[..., 0] > 0).mean() < 0.05
+    assert "6/6 workflows ok; 6/6 drew what they were asked" in printed
+    assert printed.count(run_workflows.TOY_BANNER) == 2 and "38 of 40" in run_workflows.TOY_BANNER
+    sheet = Image.open(out / "contact_sheet.png")
+    assert sheet.size == (4 * 256, 2 * (256 + 56))  # 6 tiles of 4 a row, each with its caption
+
+
+def test_own_words_and_seed_replace_every_prompt_and_seed_after_the_toys(tmp_path, capsys):
+    """--prompt and --seed as the runner applies them (the toy test above runs the same chain end to end)."""
+    overrides = run_workflows.chain(lambda workflow, class_type, kwargs: [], run_workflows.user_overrides("mine", 7))
+    encode, sampler, loader = {"prompt": "a toy prompt"}, {"seed": 42}, {"model_name": "x"}
+    assert overrides("img2img", "QI21TextEncode", encode) == ["prompt 'a toy prompt' -> 'mine' (--prompt)"]
+    assert overrides("img2img", "QI21TurboSampler", sampler) == ["seed 42 -> 7 (--seed)"]
+    assert overrides("img2img", "QI21ModelLoader", loader) == [] and (encode, sampler) == ({"prompt": "mine"},
+                                                                                            {"seed": 7})
+    assert run_workflows.chain(None, None) is None
+    assert run_workflows.main(["--out", str(tmp_path), "--only", "img2img,no_such_workflow"]) == 1
+    assert "no workflow named no_such_workflow; the choices: base_speed_lora" in capsys.readouterr().out
+    assert run_workflows.main(["--out", str(tmp_path), "--only", "img2img", "--seed", "-1"]) == 1
+    assert "--seed -1: a seed is between 0 and 2**64 - 1." in capsys.readouterr().out
