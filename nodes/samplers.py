@@ -6,6 +6,7 @@ import torch
 
 from ..model.encoders.canvas import CROP_KEY, check_box, mask_on_canvas, padded_target
 from ..model.layers.kitchen import gemm_summary
+from ..model.loaders.trained_for import trained_for_notes
 from ..model.options import options_of
 from ..model.sampling.img2img import (
     check_denoise,
@@ -138,6 +139,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     if min(width, height) < TRAINED_MIN_SIZE:
         notes.append(f"{width}x{height} is below {TRAINED_MIN_SIZE} px: runs as the reference pipeline does, but the "
                      "model was trained at larger sizes (expect weak images)")
+    notes += trained_for_notes(model, width, height, cfg if negative is not None else 1.0)  # e.g. the toy's 256 px
     variant = getattr(getattr(model, "source", None), "variant", "unknown")
     expected = "turbo" if sampler == "turbo" else "base"
     if variant not in (expected, "unknown"):
