@@ -92,10 +92,16 @@ class _StepClock:
         return [end - start for start, end in self.marks]
 
 
+def compute_dtype_name(model) -> str:
+    """What the DiT computes in ("float32", "bfloat16", ...): the report's `compute_dtype`, a loader's `default`
+    choice for the device (model/loaders/checkpoint.py `default_weight_dtype`) made visible."""
+    return str(getattr(model, "compute_dtype", "unknown")).removeprefix("torch.")
+
+
 def loaded_weights(model) -> tuple[str, str]:
     """(what the DiT runs with, what to try) for the NaN/inf message: the file, its weight format, the compute dtype
     and the LoRAs, and the advice that fits them instead of a guess."""
-    compute = str(getattr(model, "compute_dtype", "unknown")).removeprefix("torch.")
+    compute = compute_dtype_name(model)
     source = getattr(model, "source", None)
     stored = []
     if source is not None and source.layout == "gguf":
@@ -313,6 +319,7 @@ def sample(
         "target_tokens": grid[0] * grid[1],
         "batch": batch,
         "steps": steps,
+        "compute_dtype": compute_dtype_name(model),
         "cache": "off" if not cached else caches.state(),
         "cache_bytes": caches.nbytes if cached else 0,
         "cache_dtype": caches.storage_name if cached else None,
