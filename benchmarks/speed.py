@@ -7,6 +7,7 @@ sampling loops, partial prefix reuse, the host's cost per step, the released wid
     python benchmarks/speed.py host-overhead [--repeats 3]
     python benchmarks/speed.py gpu [--layers 32] [--repeats 5] [--no-flex]     (a CUDA device)
     python benchmarks/speed.py bf16-drift
+    python benchmarks/speed.py cpu-dtype [--rounds 3] [--steps 20]    (bf16 against fp32 on this CPU)
 
 The CPU questions share one scaled shape that keeps the released model's ratios (`build_models`, `build_inputs`:
 heads of 128, width 1024, SwiGLU x3, ~75 text tokens, a 1024-token target, references of 1024 tokens; only the layer
@@ -29,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
+from parts import cpu_dtype
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.loaders.dit_keys import convert_state_dict
 from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
@@ -748,7 +750,8 @@ QUESTIONS = {"dit": run_dit,
              "prefix-reuse": run_prefix_reuse,
              "host-overhead": run_host_overhead,
              "gpu": run_gpu,
-             "bf16-drift": run_bf16_drift}
+             "bf16-drift": run_bf16_drift,
+             "cpu-dtype": cpu_dtype.run}
 
 
 def main(argv=None) -> None:

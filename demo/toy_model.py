@@ -14,8 +14,10 @@ layout the loaders read, like `write_tiny_checkpoints`, with these weights in pl
 import json
 from pathlib import Path
 
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from ..model.loaders.trained_for import TRAINED_FOR_KEY, TrainedFor
 from ..model.transformer.dit import DiTConfig
 from ..model.vae.autoencoder import QwenImage21VAEConfig
 from .tiny_checkpoints import ModelWeights, write_tiny_checkpoints
@@ -33,6 +35,13 @@ BASE_FILE, TURBO_FILE, VAE_FILE, LOG_FILE = ("transformer_base.safetensors", "tr
 
 #: The target size the toy was trained at (and the size its references take: the VLM's minimum).
 TOY_SIZE = 256
+#: What every DiT file `write_toy_checkpoints` writes declares in its header (model/loaders/trained_for.py), so a
+#: sampler on the toy at another size or scale says what to expect: at 384x384 and 512x512 it drew the asked
+#: background with a few stray specks and no shape (one prompt, seed 0, 20 steps; a 1024x1024 graph ran 223 s into a
+#: near-black picture with specks), and under CFG its colours drift (blue to green, red to yellow: 62% of prompts
+#: right at cfg 4 against 95% at cfg 1, docs/toy-model.md).
+TOY_TRAINED_FOR = TrainedFor("the toy model", ((TOY_SIZE, TOY_SIZE),), (1.0,),
+                             expect_size="specks, not the asked shapes", expect_cfg="colours off the prompt")
 
 
 def toy_available(folder: Path = TOY_DIR) -> bool:
@@ -56,5 +65,19 @@ def training_log(folder: Path = TOY_DIR) -> dict:
 
 
 def write_toy_checkpoints(root: Path, folder: Path = TOY_DIR) -> dict[str, Path]:
-    """The trained toy in every file layout under `root` (a ComfyUI models folder): see `write_tiny_checkpoints`."""
-    return write_tiny_checkpoints(root, weights=toy_weights(folder))
+    """The trained toy in every file layout under `root` (a ComfyUI models folder): see `write_tiny_checkpoints`.
+    Every DiT file (single files and the diffusers folders' shards) declares `TOY_TRAINED_FOR` in its header."""
+    paths = write_tiny_checkpoints(root, weights=toy_weights(folder))
+    shards = [file for repo in ("diffusers_base", "diffusers_turbo")
+              for file in sorted((paths[repo] / "transformer").glob("*.safetensors"))]
+    for file in (paths["dit"], paths["turbo_dit"], *shards):
+        declare_trained_for(file, TOY_TRAINED_FOR)
+    return paths
+
+
+def declare_trained_for(file: Path, trained: TrainedFor) -> None:
+    """Rewrite a safetensors file with `trained` in its header metadata; its tensors keep their bytes. (The committed
+    files in demo/toy/ carry no marker: their SHA-256 are what `train_toy.py --check` rebuilds.)"""
+    with safe_open(str(file), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    save_file(load_file(file), str(file), metadata={**metadata, TRAINED_FOR_KEY: trained.to_json()})

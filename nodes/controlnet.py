@@ -33,7 +33,8 @@ class QI21ControlNetLoader(io.ComfyNode):
                                tooltip="qwen_image_2.1_fun_controlnet_union_bf16.safetensors (7.6 GB) or "
                                        "..._int8_convrot.safetensors (3.8 GB), in models/model_patches."),
                 io.Combo.Input("weight_dtype", options=DTYPES, default="default",
-                               tooltip="default: the file's precision (bf16; fp32 on a CPU, as the other loaders). "
+                               tooltip="default: the file's precision (bf16; fp32 on a CPU without native bf16, as the "
+                                       "other loaders). "
                                        "The weights are held in this dtype; the control stream computes in the "
                                        "model's (its keys and values are more layers of the model's prefix "
                                        "cache), so bf16 halves the memory of fp32 whatever the model's dtype. "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.loaders.checkpoint import WEIGHT_DTYPES
+from ..model.loaders.checkpoint import WEIGHT_DTYPES, default_weight_dtype
 from ..model.loaders.dit import load_dit
 from ..model.loaders.fingerprint import file_fingerprint
 from ..model.loaders.text_encoder import load_text_encoder
@@ -117,9 +117,10 @@ def device_of(node, device) -> torch.device | None:
 
 
 def default_dtype(weight_dtype: str, device: torch.device) -> str:
-    """"default" keeps the file's precision on GPUs; on a CPU it means fp32, as ComfyUI does there (bf16 matmuls
-    and convolutions run 10-20x slower than fp32 on CPUs without bf16 units)."""
-    return "fp32" if weight_dtype == "default" and device.type == "cpu" else weight_dtype
+    """"default" keeps the file's precision on GPUs and on CPUs with native bf16 (AVX512-BF16, AMX); on other CPUs
+    it means fp32, as ComfyUI does there (bf16 is emulated there, several times slower than fp32):
+    model/loaders/checkpoint.py `default_weight_dtype`."""
+    return default_weight_dtype(weight_dtype, device)
 
 
 def load_or_free(loader, *args, **kwargs):
@@ -165,13 +166,14 @@ class QI21ModelLoader(io.ComfyNode):
                                        "needs `pip install gguf`), or a diffusers Qwen-Image-2.1 folder in "
                                        "models/diffusers."),
                 io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
-                               tooltip="default keeps the file's bf16 (14.2 GB) on a GPU, fp32 on a CPU. fp8_e4m3fn "
-                                       "stores the block weights in fp8 (about 7.5 GB) and computes in bf16, at a "
-                                       "small quality cost. fp8_e4m3fn_fast also multiplies in fp8 on RTX 40xx / "
-                                       "H100 and newer (per-row scales, not core's scale 1, which breaks Qwen "
-                                       "pictures); elsewhere it runs as fp8_e4m3fn. fp32 doubles memory and is for "
-                                       "checking only. A .gguf file stays quantized: this picks its compute dtype "
-                                       "(default = bf16; not fp8)."),
+                               tooltip="default keeps the file's bf16 (14.2 GB) on a GPU and on a CPU with native "
+                                       "bf16 (AMX, AVX512-BF16), fp32 on other CPUs. fp8_e4m3fn stores the block "
+                                       "weights in fp8 (about 7.5 GB) and computes in bf16, at a small quality "
+                                       "cost. fp8_e4m3fn_fast also multiplies in fp8 on RTX 40xx / H100 and newer "
+                                       "(per-row scales, not core's scale 1, which breaks Qwen pictures); elsewhere "
+                                       "it runs as fp8_e4m3fn. fp32 doubles memory and is for checking only. A .gguf "
+                                       "file stays quantized: this picks its compute dtype (default = bf16; not "
+                                       "fp8)."),
                 io.Combo.Input("attention", options=["auto", "sdpa", "flex"], default="auto", optional=True,
                                tooltip="Prefill attention. auto = sdpa: exact, no compilation. flex runs the "
                                        "block-causal prefill in one compiled call (CUDA); first use compiles for a "
@@ -243,8 +245,9 @@ class QI21TextEncoderLoader(io.ComfyNode):
                                tooltip="qwen3vl_8b_bf16.safetensors in models/text_encoders, or a diffusers "
                                        "Qwen-Image-2.1 folder in models/diffusers."),
                 io.Combo.Input("weight_dtype", options=["default", "bf16", "fp16", "fp32"], default="default",
-                               tooltip="default keeps the file's bf16 (16.3 GB) on a GPU, fp32 on a CPU. fp32 doubles "
-                                       "memory for no visible gain; fp16 is untested on the real weights."),
+                               tooltip="default keeps the file's bf16 (16.3 GB) on a GPU and on a CPU with native "
+                                       "bf16 (AMX, AVX512-BF16), fp32 on other CPUs. fp32 doubles memory for no "
+                                       "visible gain; fp16 is untested on the real weights."),
                 device_input(TEXT_ENCODER_DEVICE_TOOLTIP),
             ],
             outputs=[TextEncoder.Output(display_name="text_encoder")],
@@ -287,9 +290,9 @@ class QI21VAELoader(io.ComfyNode):
                                tooltip="qwen_image_2.1_vae_bf16.safetensors in models/vae, or a diffusers "
                                        "Qwen-Image-2.1 folder in models/diffusers."),
                 io.Combo.Input("weight_dtype", options=["default", "bf16", "fp32"], default="default",
-                               tooltip="default keeps the file's precision on a GPU (bf16 for an fp16 file: the "
-                                       "decoder overflows fp16), fp32 on a CPU. fp32 is exact but twice the memory and "
-                                       "slower."),
+                               tooltip="default keeps the file's precision on a GPU and on a CPU with native bf16 "
+                                       "(bf16 for an fp16 file: the decoder overflows fp16), fp32 on other CPUs. fp32 "
+                                       "is exact but twice the memory and slower."),
                 device_input(VAE_DEVICE_TOOLTIP),
             ],
             outputs=[VAE.Output(display_name="vae")],

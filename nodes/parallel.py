@@ -3,6 +3,7 @@ inputs, the samplers' run on the workers, and ComfyUI's "free memory" ending the
 
 import torch
 
+from ..model.loaders.checkpoint import default_weight_dtype
 from ..model.parallel import pool as pools
 from ..model.parallel.ranks import check_ranks, file_heads, parse_devices
 from ..model.parallel.split import PARALLEL_MODES, SplitModel, load_dit_on
@@ -60,8 +61,7 @@ def split_model(devices: str, parallel: str, path, weight_dtype: str, attention:
     names = rank_list(devices, parallel, path)
     if not names:
         return None
-    if weight_dtype == "default" and names[0] == "cpu":  # as the single-device loader does on a CPU
-        weight_dtype = "fp32"
+    weight_dtype = default_weight_dtype(weight_dtype, torch.device(names[0]))  # as the single-device loader does
     return SplitModel(devices=names, build=load_dit_on, args=(str(path), weight_dtype, attention), mode=parallel)
 
 

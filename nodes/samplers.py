@@ -5,6 +5,7 @@ import json
 import torch
 
 from ..model.encoders.canvas import CROP_KEY, check_box, mask_on_canvas, padded_target
+from ..model.loaders.trained_for import trained_for_notes
 from ..model.options import options_of
 from ..model.sampling.img2img import (
     check_denoise,
@@ -165,6 +166,7 @@ def run(model, positive, *, sampler: str, seed, width, height, batch_size, sigma
     check_denoise(denoise)
     raw, mask, box, width, height, batch_size = _canvas(model, positive, sampler, width, height, batch_size,
                                                         latent_image, notes)
+    notes += trained_for_notes(model, width, height, cfg if negative is not None else 1.0)  # e.g. the toy's 256 px
     sigmas = _schedule(model, sampler, sigmas, sigmas_for, width, height, denoise, notes)
     difference = _reference_difference(positive, negative if cfg > 1 else None)
     if difference:

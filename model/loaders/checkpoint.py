@@ -8,6 +8,7 @@ have, and reading tensors one at a time into memory the model owns. Each loader 
 from shapes and `config.json`. The file layouts themselves are described in docs/checkpoints.md.
 """
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,9 @@ __all__ = [  # the header-level names are re-exported so loaders import their pl
     "WeightReader",
     "check_dtypes",
     "choose_dtype",
+    "cpu_has_native_bf16",
     "count_indexed",
+    "default_weight_dtype",
     "find_weights",
     "identify_checkpoint",
     "infos_of",
@@ -251,6 +254,25 @@ def choose_dtype(weight_dtype, file_dtype: str, supported: tuple[torch.dtype, ..
             + ", ".join(_dtype_name(dtype) for dtype in supported) + "."
         )
     return chosen
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, as torch's cpuinfo reads the CPU's flags).
+    oneDNN then runs bf16 GEMMs faster than fp32 (6.5x for the DiT's shapes on an AMX Xeon, issue 66 reports);
+    without them (AVX2, plain AVX-512) bf16 is emulated op by op, several times slower than fp32 (docs/nodes.md,
+    `benchmarks/speed.py cpu-dtype`). The CPU does not change while the process runs: read once."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check() for check in checks if callable(check))  # an older torch without them: not native
+
+
+def default_weight_dtype(weight_dtype, device) -> str | torch.dtype:
+    """What a loader's `weight_dtype` "default" means on the device the model computes on: the file's own dtype
+    (`choose_dtype`'s "default") on a GPU and on a CPU with native bf16, fp32 on any other CPU, as ComfyUI core
+    computes there. Any other choice is returned as it is."""
+    if weight_dtype in (None, "default") and torch.device(device).type == "cpu" and not cpu_has_native_bf16():
+        return "fp32"
+    return weight_dtype
 
 
 def check_dtypes(tensors: dict[str, TensorInfo], allowed: dict[str, tuple[str, ...]], where: str,

@@ -44,6 +44,7 @@ from .checkpoint import (
 )
 from .deferred import FileWeights, materialize_on_input, placeholder
 from .dit_keys import DiTSource, check_shapes, file_plan, infer_config, strip_prefix, variant_from_name
+from .trained_for import read_trained_for
 
 # What the DiT loads as; fp8_e4m3fn stores the FP8_PARAMS weights in fp8 and computes in bf16.
 DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
@@ -160,6 +161,7 @@ def load_dit(path, weight_dtype: str = "default", device="cpu", attention: str =
     weights, source = _locate(path)
     raw, metadata = read_weight_headers(weights)
     where = str(source.path.name)
+    source = replace(source, trained_for=read_trained_for(metadata, where))
     file_keys = rename_keys(raw, strip_prefix, where)  # {key without the ComfyUI prefix: key in the file}
     tensors = {key: raw[file_key] for key, file_key in file_keys.items()}
     quant = None

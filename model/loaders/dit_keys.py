@@ -13,6 +13,7 @@ import torch
 
 from ..transformer.dit import DiTConfig, QwenImage21DiT
 from .checkpoint import CheckpointError, TensorInfo, count_indexed, identify_checkpoint, infos_of, shown
+from .trained_for import TrainedFor
 
 COMFY_PREFIX = "model.diffusion_model."
 DETECT_KEYS = ("txt_in.text_norm.weight", "modulation.1.weight", "transformer_blocks.0.attn.norm_q.weight",
@@ -31,6 +32,7 @@ class DiTSource:
     # without the terminal 0; None when the files give none (single files, Base).
     sigmas: tuple[float, ...] | None = None
     quantized: tuple[str, ...] = ()  # the formats of a ComfyUI quantized file ("int8_tensorwise", ...)
+    trained_for: TrainedFor | None = None  # the sizes / CFG the file says its model draws at (trained_for.py)
 
 
 def file_plan(config: DiTConfig, fused_mlp: bool) -> dict[str, list[str]]:

@@ -95,10 +95,16 @@ class _StepClock:
         return [end - start for start, end in self.marks]
 
 
+def compute_dtype_name(model) -> str:
+    """What the DiT computes in ("float32", "bfloat16", ...): the report's `compute_dtype`, a loader's `default`
+    choice for the device (model/loaders/checkpoint.py `default_weight_dtype`) made visible."""
+    return str(getattr(model, "compute_dtype", "unknown")).removeprefix("torch.")
+
+
 def loaded_weights(model) -> tuple[str, str]:
     """(what the DiT runs with, what to try) for the NaN/inf message: the file, its weight format, the compute dtype
     and the LoRAs, and the advice that fits them instead of a guess."""
-    compute = str(getattr(model, "compute_dtype", "unknown")).removeprefix("torch.")
+    compute = compute_dtype_name(model)
     source = getattr(model, "source", None)
     stored = []
     if source is not None and source.layout == "gguf":
@@ -335,7 +341,7 @@ def run(model: QwenImage21DiT, spec: RunSpec, services: RunServices = RunService
         if caches is not None:
             caches.close(succeeded, notes)
     facts.caches, facts.active_steps = caches, sum(phases) if spec.sampler is None else None
-    report = _report(spec, prefixes, grid, batch, sigmas, clock, modes, caches, prefix_key)
+    report = _report(model, prefixes, grid, batch, sigmas, clock, modes, caches, prefix_key)
     for part in parts:
         part.finish(report, notes, facts)
     if spec.sampler is not None:
@@ -388,7 +394,7 @@ def _sampler(spec: RunSpec, services: RunServices, phases: list, caches, clock, 
     return run_given
 
 
-def _report(spec: RunSpec, prefixes, grid, batch: int, sigmas, clock, modes, caches, prefix_key) -> dict:
+def _report(model, prefixes, grid, batch: int, sigmas, clock, modes, caches, prefix_key) -> dict:
     """The report's keys every run has (tokens, cache, timings); the features add theirs."""
     times = clock.seconds()  # the run's one host sync on a GPU
     prefill_seconds = next((t for t, mode in zip(times, modes) if mode == "prefill"), None)
@@ -402,6 +408,7 @@ def _report(spec: RunSpec, prefixes, grid, batch: int, sigmas, clock, modes, cac
         "target_tokens": grid[0] * grid[1],
         "batch": batch,
         "steps": sigmas.numel() - 1,
+        "compute_dtype": compute_dtype_name(model),
         "cache": "off" if not cached else caches.state(),
         "cache_bytes": caches.nbytes if cached else 0,
         "cache_dtype": caches.storage_name if cached else None,
