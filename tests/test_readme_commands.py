@@ -50,7 +50,13 @@ NOT_RUN = {
     "python demo/train_toy.py --out /tmp/toy": "long: trains the toy (about an hour on 2 cores)",
     "python -m pytest -q tests": "long: the whole suite (about 8 minutes on 2 cores)",
     "cd ComfyUI/custom_nodes": "needs a ComfyUI checkout",
-    "git clone <this repository> ComfyUI-QwenImage21": "needs ComfyUI and the network; requirements.txt is checked",
+    "git clone https://github.com/qi21/ComfyUI-QwenImage21": "needs ComfyUI and the network; requirements.txt is "
+                                                             "checked",
+    "python -m venv .venv && . .venv/bin/activate": "makes a virtual environment in the checkout",
+    'python demo/run_workflows.py --only text_to_image_turbo --prompt "a large green circle on the left, black '
+    'background" --seed 7': "long: a toy picture (tests/test_demo.py checks --only / --prompt / --seed)",
+    'python demo/run_workflows.py --only img2img,official_t2i --prompt "a small red square at the top, white '
+    'background" --seed 3': "long: two toy pictures (tests/test_demo.py checks --only / --prompt / --seed)",
     "pip install -r ComfyUI-QwenImage21/requirements.txt": "needs ComfyUI and the network",
     "python locales/build_locales.py": "writes locales/ (its --check form is run)",
     "apt-get install -y haproxy": "installs a system package (root, network)",
@@ -253,7 +259,7 @@ def test_module_commands_and_named_files_exist():
         if words[0] != "-m":
             continue
         module = words[1]
-        assert module in {"pytest", "nodes.route_key"}, f"{doc}: `{command}`: a module this test does not know"
+        assert module in {"pytest", "nodes.route_key", "venv"}, f"{doc}: `{command}`: a module this test does not know"
         for word in words[2:]:
             if word.startswith("tests"):
                 assert (ROOT / word.split("::")[0]).exists(), f"{doc}: `{command}` names {word}, which does not exist"
