@@ -157,6 +157,10 @@ class StepCache(BlockHook):
     order = STEP_CACHE
     name = "the Step Cache"
     min_probe = 1  # T8's indicator reads block 0 at least
+    #: the class that runs the other step methods (`StepMethods`): step_methods.py builds on this module, so it
+    #: registers itself here when imported, and model/sampling/__init__.py imports it (every import of this module
+    #: runs that first): one direction of imports, no cycle
+    methods = None
 
     def __init__(self, options: StepCacheOptions, sigmas, *, edit: bool, num_layers: int, probe_blocks: int = 1):
         self.options = options
@@ -191,9 +195,10 @@ class StepCache(BlockHook):
             return None
         if options.is_t8 and cls is StepCache:
             return cls(options, sigmas, edit=edit, num_layers=num_layers, probe_blocks=probe)
-        from .step_methods import StepMethods  # it builds on this module
-
-        return StepMethods(options, sigmas, edit=edit, num_layers=num_layers, probe_blocks=probe)
+        if StepCache.methods is None:
+            raise RuntimeError("the step methods (model/sampling/step_methods.py) are not loaded; import "
+                               "model.sampling, whose __init__ loads them.")
+        return StepCache.methods(options, sigmas, edit=edit, num_layers=num_layers, probe_blocks=probe)
 
     def _reset(self) -> None:
         self._reference = None  # the probe's sampled residual at the last full pass

@@ -177,3 +177,6 @@ class StepMethods(StepCache):
             report["window"] = None  # the mask or the schedule decides which steps may skip
             report["max_skips"] = None
         return report
+
+
+StepCache.methods = StepMethods  # what `StepCache.for_run` builds for these options (step_cache.py says why)

@@ -23,7 +23,8 @@ def load_presets(path: Path = PRESETS_FILE) -> dict[str, StepCacheOptions]:
         raise ValueError(f"{path} is not valid JSON: {error}") from None
     presets = data.get("presets") if isinstance(data, dict) else None
     if not isinstance(presets, dict) or not presets:
-        raise ValueError(f"{path}: 'presets' must be an object of preset name -> options; got {type(presets).__name__}.")
+        raise ValueError(f"{path}: 'presets' must be an object of preset name -> options; got "
+                         f"{type(presets).__name__}.")
     out = {}
     for name, entry in presets.items():
         if not isinstance(entry, dict):
