@@ -289,3 +289,13 @@ def test_the_nodes_preset_replaces_its_widgets_and_custom_keeps_saved_workflows(
     assert "preset" in QI21StepCache.validate_inputs(preset="fastest")
     inputs = [spec.id for spec in QI21StepCache.define_schema().inputs]
     assert inputs[-2:] == ["control", "preset"], "appended: saved workflows keep their widgets' order"
+
+
+def test_the_calibration_puts_a_full_step_where_the_residual_jumps(benchmark_script):
+    """10 steps whose residual is 1 until step 5 and 3 from there: with 2 full steps the forecasts err least when the
+    second is step 5 (any other misses the jump by 2 on a step); with 3, step 5 stays among them."""
+    bench = benchmark_script("step_cache_peers")
+    sigmas = [1.0 - i / 10 for i in range(11)]
+    runs = [[torch.full((2, 3), 1.0 if k < 5 else 3.0) for k in range(10)]]
+    chosen = bench.calibrate(runs, sigmas, budgets=(2, 3))
+    assert chosen[2] == [0, 5] and chosen[3][:1] == [0] and 5 in chosen[3]
