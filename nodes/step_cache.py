@@ -7,11 +7,11 @@ from ..model.sampling.step_cache import (
     EDIT_THRESHOLD,
     END_PERCENT,
     MAX_SKIPS,
-    MODES,
     START_PERCENT,
     THRESHOLD,
     StepCacheOptions,
 )
+from ..model.sampling.step_presets import shipped_presets
 from .bridge import io, log
 from .socket_types import CATEGORY, Model
 from .validation import refuse_unknown_inputs, require, widget_problem
@@ -36,6 +36,17 @@ CONTROL_CHOICES = ("reuse", "recompute")
 CONTROL_TOOLTIP = ("With a Fun ControlNet a skipped step reuses the control's effect from the last full step (T8's "
                    "way). recompute is retired and runs as reuse: it changed pictures by 0.3 dB or less for 5-13% "
                    "more time (docs/step-cache.md); it stays listed so saved workflows load.")
+#: The `mode` input's choices: the widgets set T8's rule or its first-order replay; the other step methods (a
+#: front/back split, a forecast, a steps mask, a calibrated schedule) come complete with a preset.
+NODE_MODES = ("t8", "extrapolate", "off")
+#: The `preset` input: "custom" uses the widgets above (every workflow saved before the input existed); a preset
+#: replaces all of them (model/sampling/step_cache_presets.json, chosen from docs/images/step_cache_curve.png).
+CUSTOM = "custom"
+PRESET_TOOLTIP = ("custom: the inputs above. A preset replaces every input above with a complete setting measured on "
+                  "the trained toy (docs/step-cache.md). near-exact: cache-dit's DBCache rule with a first-order "
+                  "forecast (1.4x, 61 dB there). balanced / fast: 8 / 5 full steps of a schedule calibrated "
+                  "offline; the other steps run no block and forecast the DiT's change (2.7x / 3.5x, 47 / 41 dB "
+                  "there). A toy's numbers rank the settings; they bound nothing about the real model.")
 _told = set()  # the retired choices already logged in this process
 
 
@@ -57,7 +68,7 @@ class QI21StepCache(io.ComfyNode):
                         "the indicator of each step.",
             inputs=[
                 Model.Input("model"),
-                io.Combo.Input("mode", options=list(MODES[1:]) + [MODES[0]], default="t8", tooltip=MODE_TOOLTIP),
+                io.Combo.Input("mode", options=list(NODE_MODES), default="t8", tooltip=MODE_TOOLTIP),
                 io.Float.Input("threshold", default=THRESHOLD, min=0.0, max=1.0, step=0.005,
                                tooltip=THRESHOLD_TOOLTIP),
                 io.Float.Input("edit_threshold", default=EDIT_THRESHOLD, min=0.0, max=1.0, step=0.005,
@@ -70,6 +81,9 @@ class QI21StepCache(io.ComfyNode):
                 # appended and optional: workflows saved before it load unchanged (and reuse, as they did)
                 io.Combo.Input("control", options=list(CONTROL_CHOICES), default=CONTROL_CHOICES[0], optional=True,
                                tooltip=CONTROL_TOOLTIP),
+                # appended and optional too: a saved workflow without it runs its widgets, as before
+                io.Combo.Input("preset", options=[CUSTOM, *shipped_presets()], default=CUSTOM, optional=True,
+                               tooltip=PRESET_TOOLTIP),
             ],
             outputs=[Model.Output(display_name="model")],
         )
@@ -87,16 +101,18 @@ class QI21StepCache(io.ComfyNode):
     @classmethod
     def execute(cls, model, mode="t8", threshold=THRESHOLD, edit_threshold=EDIT_THRESHOLD,
                 start_percent=START_PERCENT, end_percent=END_PERCENT, max_skips=MAX_SKIPS, control=CONTROL_CHOICES[0],
-                **unknown) -> io.NodeOutput:
+                preset=CUSTOM, **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(cls, unknown)
         require(cls.validate_inputs(mode=mode, threshold=threshold, edit_threshold=edit_threshold,
                                     start_percent=start_percent, end_percent=end_percent, max_skips=max_skips,
-                                    control=control))
+                                    control=control, preset=preset))
         if control == "recompute" and control not in _told:
             _told.add(control)
             log.warning("qi21: Step Cache control = recompute is retired and runs as reuse (it changed pictures by "
                         "0.3 dB or less for 5-13% more time; docs/step-cache.md). Set control to reuse to silence "
                         "this.")
+        if preset != CUSTOM:  # complete on its own: the widgets above do not apply
+            return io.NodeOutput(with_options(model, step_cache=shipped_presets()[preset]))
         options = StepCacheOptions(mode, float(threshold), float(edit_threshold), float(start_percent),
                                    float(end_percent), int(max_skips))
         return io.NodeOutput(with_options(model, step_cache=options))

@@ -110,8 +110,8 @@ class RunShape:
         extra_row_buffers: `(rows, width)` buffers a step holds besides the DiT's (a control stream: 3).
         cache_dtype: how the cache stores its rows ("default": the compute dtype; "int8" / "int4": quantized,
             scales included; prefix_cache/storage_formats.py).
-        step_cache: the step cache's mode ("off", "t8", "extrapolate"; sampling/step_cache.py): it holds fp32
-            target-sized tensors across the blocks (`step_cache_bytes`).
+        step_cache: the step cache's mode ("off", "t8", "extrapolate", "taylor"; sampling/step_cache.py): it
+            holds fp32 target-sized tensors across the blocks (`step_cache_bytes`).
     """
 
     prefix_tokens: tuple[int, ...]
@@ -264,8 +264,10 @@ def step_cache_bytes(config: DiTConfig, run: RunShape, itemsize: int, prefill: b
     samples = run.batch * (2 if run.cfg else 1)
     t = samples * run.target_tokens * config.width * FP32
     sampled = 2 * samples * -(-run.target_tokens // 8) * -(-config.width // 8) * FP32
-    extrapolate = run.step_cache == "extrapolate"
-    kept = 0 if prefill else 1 + extrapolate  # the residuals of the last one or two full passes
+    extrapolate = run.step_cache in ("extrapolate", "taylor")
+    # the residuals of the last full passes: one (t8), two (extrapolate), up to three (taylor: its order + 1, the
+    # mode alone reaches the planner, so its largest order is counted)
+    kept = 0 if prefill else {"extrapolate": 2, "taylor": 3}.get(run.step_cache, 1)
     copy = int(itemsize != FP32)  # `.float()` of the target rows copies them unless they already are fp32
     across = (1 + kept) * t + sampled
     after = (1 + kept + 1 + copy) * t + sampled

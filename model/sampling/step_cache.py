@@ -44,7 +44,11 @@ import torch
 
 from ..transformer.hooks import STEP_CACHE, BlockHook, Finish
 
-MODES = ("off", "t8", "extrapolate")
+MODES = ("off", "t8", "extrapolate", "taylor")
+#: what decides a skip: the indicator alone (T8), or a steps mask / a calibrated schedule of full steps first (a
+#: step they mark full always runs; any other step is skipped when the indicator is below the threshold)
+DECIDERS = ("indicator", "mask", "schedule")
+ORDERS = (1, 2)  # mode "taylor": the forecast's order (finite differences in sigma over the last order + 1 passes)
 #: T8 BlockCache 0.1.3's `CacheConfig` defaults; 0.03 for edits is its README's advice.
 THRESHOLD, EDIT_THRESHOLD = 0.08, 0.03
 START_PERCENT, END_PERCENT = 0.10, 0.85
@@ -62,10 +66,37 @@ class StepCacheOptions:
     start_percent: float = START_PERCENT
     end_percent: float = END_PERCENT
     max_skips: int = MAX_SKIPS
+    # -- the step methods (model/sampling/step_methods.py); the defaults are T8's rule above -----------------------
+    probe_blocks: int = 1  # the indicator reads the output of the first n blocks (0: none, a mask or schedule)
+    back_blocks: int = 0  # a skipped step still runs the last m blocks (DBCache's front/back split; cached steps)
+    order: int = 2  # mode "taylor": the forecast's order; t8 replays (0), extrapolate is order 1
+    decide: str = "indicator"
+    full_first: int = 0  # decide "mask": the first k steps always run in full,
+    full_every: int = 0  # and every j-th step after them (0: none),
+    full_last: int = 0  # and the last l steps
+    schedule: tuple = ()  # decide "schedule": the full steps as shares of the run (step i of n at i / n)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}.")
+        if self.decide not in DECIDERS:
+            raise ValueError(f"decide must be one of {', '.join(DECIDERS)}; got {self.decide!r}.")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS} (mode taylor's forecast); got {self.order!r}.")
+        for name in ("probe_blocks", "back_blocks", "full_first", "full_every", "full_last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0; got {value!r}.")
+        if self.probe_blocks == 0 and self.decide == "indicator":
+            raise ValueError("probe_blocks 0 (no probe: a skipped step runs no front block) needs decide mask or "
+                             "schedule; the indicator reads the probe's output.")
+        if not isinstance(self.schedule, tuple) or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0 for f in self.schedule):
+            raise ValueError(f"schedule must be a tuple of shares of the run in [0, 1); got {self.schedule!r}.")
+        if self.decide == "schedule" and not self.schedule:
+            raise ValueError("decide schedule needs the full steps (schedule), e.g. from a preset.")
+        if self.decide == "mask" and not (self.full_first or self.full_every or self.full_last):
+            raise ValueError("decide mask needs full_first, full_every or full_last > 0 (the steps that run in full).")
         for name in ("threshold", "edit_threshold"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -78,6 +109,11 @@ class StepCacheOptions:
 
     def threshold_for(self, edit: bool) -> float:
         return float(self.edit_threshold if edit else self.threshold)
+
+    @property
+    def is_t8(self) -> bool:
+        """Whether this is T8's rule (or its first-order replay) as `StepCache` runs it; else `StepMethods` runs."""
+        return (self.mode in ("t8", "extrapolate") and self.back_blocks == 0 and self.decide == "indicator")
 
 
 def _sampled(target: torch.Tensor) -> torch.Tensor:
@@ -120,15 +156,20 @@ class StepCache(BlockHook):
 
     order = STEP_CACHE
     name = "the Step Cache"
+    min_probe = 1  # T8's indicator reads block 0 at least
+    #: the class that runs the other step methods (`StepMethods`): step_methods.py builds on this module, so it
+    #: registers itself here when imported, and model/sampling/__init__.py imports it (every import of this module
+    #: runs that first): one direction of imports, no cycle
+    methods = None
 
     def __init__(self, options: StepCacheOptions, sigmas, *, edit: bool, num_layers: int, probe_blocks: int = 1):
         self.options = options
         self.threshold = options.threshold_for(edit)
         self.num_layers = int(num_layers)
         self.probe_blocks = int(probe_blocks)
-        if not 1 <= self.probe_blocks < self.num_layers:
-            raise ValueError(f"probe_blocks must be 1 to {self.num_layers - 1} (blocks after the probe to skip); "
-                             f"got {probe_blocks!r}.")
+        if not self.min_probe <= self.probe_blocks < self.num_layers:
+            raise ValueError(f"probe_blocks must be {self.min_probe} to {self.num_layers - 1} (blocks after the "
+                             f"probe to skip); got {probe_blocks!r}.")
         self.sigmas = [float(s) for s in sigmas]
         self.records: list[tuple[float, float | None, bool]] = []  # per call: sigma, indicator, skipped
         #: how the indicator is read and scored: `ONE_PROCESS` below; the ranks of a split run replace it with one
@@ -142,13 +183,22 @@ class StepCache(BlockHook):
 
     @classmethod
     def for_run(cls, options: StepCacheOptions | None, sigmas, *, edit: bool, num_layers: int,
-                probe_blocks: int = 1) -> "StepCache | None":
+                probe_blocks: int | None = None) -> "StepCache | None":
         """The run's step cache, or None when it cannot skip anything: no options, mode off, threshold 0 (exact by
-        construction: the DiT never sees a step cache), or no block after the probe."""
-        if (options is None or options.mode == "off" or options.threshold_for(edit) <= 0
-                or num_layers <= probe_blocks):
+        construction: the DiT never sees a step cache), or no block between the probe and the back blocks. T8's
+        rule runs here; the other step methods (a front/back split, a forecast of order 2, a steps mask, a
+        calibrated schedule) in step_methods.py."""
+        if options is None or options.mode == "off" or options.threshold_for(edit) <= 0:
             return None
-        return cls(options, sigmas, edit=edit, num_layers=num_layers, probe_blocks=probe_blocks)
+        probe = options.probe_blocks if probe_blocks is None else probe_blocks
+        if num_layers <= probe + options.back_blocks:
+            return None
+        if options.is_t8 and cls is StepCache:
+            return cls(options, sigmas, edit=edit, num_layers=num_layers, probe_blocks=probe)
+        if StepCache.methods is None:
+            raise RuntimeError("the step methods (model/sampling/step_methods.py) are not loaded; import "
+                               "model.sampling, whose __init__ loads them.")
+        return StepCache.methods(options, sigmas, edit=edit, num_layers=num_layers, probe_blocks=probe)
 
     def _reset(self) -> None:
         self._reference = None  # the probe's sampled residual at the last full pass

@@ -32,7 +32,7 @@ from ..prefix_cache.layout import PrefixKVCache
 from .attention import ATTENTION_BACKENDS, flex_block_mask, segment_table
 from .block import Block, DiTConfig, Rows, block_modulation, layer_norm
 from .compiled import begin_step
-from .hooks import BlockHook, Finish, ordered
+from .hooks import BlockHook, Finish, Resume, ordered
 from .layout import SequenceLayout
 from .rope import rope_rotations
 
@@ -177,18 +177,38 @@ class QwenImage21DiT(nn.Module):
         if self.parallel is not None:
             self._check_split(hooks)
             x, rows = self.parallel.shard(x, rows)
-        for hook in hooks:
-            hook.start(x, mods, rows, cache)
-        last = len(self.blocks) - 1
-        for index, block in enumerate(self.blocks):
-            x = block(x, mods, rows, cache.layer_kv(index) if cache is not None else None, drop_prefix=index == last)
+        began = [hook.start(x, mods, rows, cache) for hook in hooks]
+        last, index = len(self.blocks) - 1, 0
+        skip = next((early for early in began if isinstance(early, (Finish, Resume))), None)
+        if isinstance(skip, Finish):  # no block runs (a step method with no probe: hooks.py)
+            return self._gathered(self.final_layer(skip.x, final_scale, rows), target)
+        if isinstance(skip, Resume):
+            index, x = self._resumed(-1, skip, rows), skip.x
+        while index <= last:
+            x = self.blocks[index](x, mods, rows, cache.layer_kv(index) if cache is not None else None,
+                                   drop_prefix=index == last)
+            following = index + 1
             for hook in hooks:
                 x = hook.after_block(index, x)
                 if isinstance(x, Finish):  # the blocks left are skipped: the output layer reads these target rows
                     return self._gathered(self.final_layer(x.x, final_scale, rows), target)
+                if isinstance(x, Resume):  # the blocks up to x.index are skipped; the later ones run
+                    following, x = self._resumed(index, x, rows), x.x
+                    break
+            index = following
         for hook in hooks:
             hook.end(x)
         return self._gathered(self.final_layer(x, final_scale, rows), target)
+
+    def _resumed(self, index: int, resume: Resume, rows) -> int:
+        """The block a `Resume` after block `index` goes on with; only a cached step may skip blocks (hooks.py)."""
+        if not index + 1 < resume.index < len(self.blocks):
+            raise ValueError(f"a hook may resume after block {index} at a later block than the next, up to "
+                             f"{len(self.blocks) - 1}; got {resume.index}.")
+        if rows.mode != "cached":
+            raise ValueError(f"only a cached step may skip blocks (its prefix rows are in the prefix cache); this "
+                             f"step is {rows.mode}.")
+        return resume.index
 
     @staticmethod
     def _check_split(hooks) -> None:

@@ -6,7 +6,8 @@
     hook.start(x, mods, rows, cache)      every hook, before block 0
     for each block i:
         x = block(x)
-        x = hook.after_block(i, x)        every hook, in ORDER; a `Finish` ends the blocks here
+        x = hook.after_block(i, x)        every hook, in ORDER; a `Finish` ends the blocks here, a `Resume`
+                                          goes on at a later block
     hook.end(x)                   every hook, when every block ran
     final_layer
 
@@ -16,7 +17,12 @@ The order is stated once, by each hook's `order` (ties keep the caller's order),
     STEP_CACHE (30) reads the finished `x` and may end the blocks early (the step cache's probe): last
 A hook that ends the blocks early returns `Finish(target_rows)`: the forward goes straight to the output layer with
 those rows (`(samples * target_len, width)`), the hooks after it in the order are not asked, and no hook's `end`
-runs. A DBCache-style front/back split or a higher-order forecast is one more hook, not an edit of `forward`.
+runs. A hook that skips some blocks and runs the rest (a front/back split: model/sampling/step_methods.py) returns
+`Resume(index, x)` after block i: the forward goes on with block `index` (> i + 1) on the buffer `x`, the hooks after
+it in the order are not asked about block i, and the blocks between never run. A hook's `start` may return either
+too (a step method without a probe block): then no block, or only the blocks from `index` on, run. Only a cached
+step may skip blocks this way: its prefix rows are in the prefix cache of every layer, so a later block never reads
+a stale prefix row.
 
 Hooks stay eager: they run between the compiled blocks (compiled.py), never inside a graph. The features add
 theirs through their run parts (model/features/plugin.py); what changes a block from outside yet is no block hook:
@@ -45,6 +51,15 @@ class Finish:
     x: torch.Tensor
 
 
+@dataclass(frozen=True, eq=False)
+class Resume:
+    """What a hook returns to skip blocks: go on with block `index` on the buffer `x` (the blocks before it that have
+    not run yet never run)."""
+
+    index: int
+    x: torch.Tensor
+
+
 class BlockHook:
     """A hook's protocol, every method a no-op: subclasses override what they need.
 
@@ -57,12 +72,12 @@ class BlockHook:
     runs_split = True
     name = "a block hook"
 
-    def start(self, x: torch.Tensor, mods: torch.Tensor, rows, cache) -> None:
+    def start(self, x: torch.Tensor, mods: torch.Tensor, rows, cache) -> "None | Finish | Resume":
         """Before block 0: `x` the row buffer, `mods` the modulation rows, `rows` the buffer's `Rows`, `cache` the
-        prefix cache (or None)."""
+        prefix cache (or None). None to run every block, or `Finish` / `Resume` to skip from block 0 on."""
 
-    def after_block(self, index: int, x: torch.Tensor) -> "torch.Tensor | Finish":
-        """After block `index`: the buffer to go on with (`x`, maybe changed in place), or `Finish`."""
+    def after_block(self, index: int, x: torch.Tensor) -> "torch.Tensor | Finish | Resume":
+        """After block `index`: the buffer to go on with (`x`, maybe changed in place), `Finish` or `Resume`."""
         return x
 
     def end(self, x: torch.Tensor) -> None:
