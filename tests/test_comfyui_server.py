@@ -56,7 +56,7 @@ NODE_IDS = ["QI21ModelLoader", "QI21TextEncoderLoader", "QI21VAELoader", "QI21Re
             "QI21ControlNetLoader", "QI21ControlNetApply", "QI21StepCache"]
 MODEL_DTYPES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
 REPORT_KEYS = {"prefix_tokens", "target_tokens", "batch", "steps", "cache", "cache_bytes", "cache_device",
-               "prefill_seconds", "step_seconds"}
+               "prefill_seconds", "step_seconds", "compute_dtype"}  # compute_dtype: what `default` chose here
 TURBO_STEPS = 8  # the stored 8-sigma schedule
 
 #: The node contract: required inputs (in order: saved workflows match widget values by position), optional
