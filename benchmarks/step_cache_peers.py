@@ -29,7 +29,6 @@ schedule) also run as settings of ours, labelled "(rule, ours)".
 import argparse
 import json
 import math
-import random
 import statistics
 import sys
 import tempfile
@@ -41,27 +40,17 @@ import torch
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
 from parts import diffusers_caches as peers
 from parts.curve_plot import draw_curve
-from qi21.demo.toy_data import SIZE, random_edit, random_scene
+from qi21.demo.toy_data import SIZE
 from qi21.demo.toy_eval import ToyPipeline, psnr, ssim
 from qi21.demo.toy_model import write_toy_checkpoints
 from qi21.model.encoders.pipeline import decode_images
 from qi21.model.sampling.loop import initial_noise
 from qi21.model.sampling.schedule import base_sigmas
 from qi21.model.sampling.step_cache import StepCacheOptions
+from quality import cases  # the same draws as the step cache's yardstick
 
-EDIT_KINDS = ("recolour", "move", "background")
 STATIC = 1e9  # a threshold no indicator reaches: the mask or the schedule alone decides
 BUDGETS = (4, 5, 6, 8, 13)  # full steps of 40 the calibrated schedules may run
-
-
-def cases(seed: int, t2i: int, edits: int) -> list[tuple[str, object, int]]:
-    """quality.py's draws: (prompt, source scene or None, seed)."""
-    rng = random.Random(seed)
-    out = [(random_scene(rng).caption(0), None, 1000 + i) for i in range(t2i)]
-    for i in range(edits):
-        edit = random_edit(rng, EDIT_KINDS[i % 3])
-        out.append((edit.instruction, edit.source, 2000 + i))
-    return out
 
 
 # -- calibration ---------------------------------------------------------------------------------------------------

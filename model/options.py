@@ -15,7 +15,7 @@ applies a mechanism (its `build`) only after the record passed the table of pair
 from dataclasses import replace as dataclass_replace
 
 from .features import registry  # noqa: F401 (registers the pack's features)
-from .features.plugin import Refused, Supported  # noqa: F401 (the table's verdicts, for readers of the table)
+from .features.plugin import Refused  # noqa: F401 (a refused pair's verdict, for readers of the table)
 from .features.record import ModelOptions, features, field_owners, pairs, verdict  # noqa: F401
 from .loaders.lora import clone_tree
 from .parallel.split import SplitModel
@@ -28,11 +28,6 @@ FIELDS = {name: feature.name for name, feature in field_owners().items()}
 #: The table of pairs: frozenset of two feature names -> `Supported` / `Refused`.
 PAIRS = pairs()
 PLAIN = ModelOptions()
-
-
-def pair_problem(record: ModelOptions) -> str | None:
-    """The refusal for the first refused pair of features `record` has on, naming both; None when all compose."""
-    return record.pair_problem()
 
 
 def options_of(model) -> ModelOptions:

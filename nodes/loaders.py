@@ -15,7 +15,7 @@ from ..model.loaders.fingerprint import file_fingerprint
 from ..model.loaders.text_encoder import load_text_encoder
 from ..model.loaders.vae import load_vae
 from ..model.memory.planner import PLAN_CHOICES
-from ..model.options import ModelOptions, pair_problem, with_options
+from ..model.options import ModelOptions, with_options
 from ..model.transformer.compiled import COMPILE_MODES, compile_blocks
 from . import bridge
 from .bridge import io
@@ -145,7 +145,7 @@ def loader_pairs_problem(compile=None, devices=None, parallel=None, plan=None, *
                               devices=(named,) if named else (), parallel=parallel or "off")
     except ValueError:
         return None  # a value outside its list: widget_problem names it
-    return pair_problem(record)
+    return record.pair_problem()
 
 
 class QI21ModelLoader(io.ComfyNode):

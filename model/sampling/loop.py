@@ -244,8 +244,8 @@ def sample(model: QwenImage21DiT, positive: Conditioning, *, sigmas, width: int,
         raise TypeError(f"sample() got unknown input(s) {', '.join(unknown)}.")
     spec = RunSpec(positive, sigmas, width, height, **{k: v for k, v in inputs.items() if k in _SPEC_FIELDS})
     changes = {}
-    if step_cache is not None:
-        changes["step_cache"] = None if step_cache.mode == "off" else step_cache
+    if step_cache is not None:  # mode "off" starts no step cache (StepCache.for_run)
+        changes["step_cache"] = step_cache
     if cache_dtype != "default":
         changes["cache"] = CacheOptions(dtype=cache_dtype)
     if changes:

@@ -254,16 +254,27 @@ class StepCache(BlockHook):
         if index != self.probe_blocks - 1:
             return x
         target = self._targets(x)
+        if not self._skips_now(target, self._probed(target)):
+            return x
+        return Finish((target.float() + self._replayed()).to(x.dtype).flatten(0, 1))
+
+    def _probed(self, target: torch.Tensor) -> float | None:
+        """The indicator of this call from the probe's output (None before any full pass to compare with)."""
         self._indicator = self.indicator.sampled(target) - self._before
         self._before = None
-        score = None if self._reference is None else self.indicator.score(self._indicator, self._reference)
-        skip = self._may_skip and score is not None and math.isfinite(score) and score < self.threshold
+        return None if self._reference is None else self.indicator.score(self._indicator, self._reference)
+
+    def _skips_now(self, target: torch.Tensor, score: float | None, skip: bool | None = None) -> bool:
+        """Record this call's decision (by default: the rule's, `score` under the threshold) and count a skip; a
+        full pass keeps the probe's output to take the residual from."""
+        if skip is None:
+            skip = self._may_skip and score is not None and math.isfinite(score) and score < self.threshold
         self.records.append((self._sigma, score, skip))
         if not skip:
             self._anchor = target.to(torch.float32, copy=True)  # a copy: the next blocks change the buffer in place
-            return x
+            return False
         self._skips += 1
-        return Finish((target.float() + self._replayed()).to(x.dtype).flatten(0, 1))
+        return True
 
     def end(self, x: torch.Tensor) -> None:
         """Every block ran; `x` holds the target rows after the last one: keep the later blocks' residual."""

@@ -121,17 +121,11 @@ class StepMethods(StepCache):
     def _decide(self, x: torch.Tensor) -> "torch.Tensor | Finish | Resume":
         target = self._targets(x)
         if self.probe_blocks == 0:  # nothing to read: the mask or the schedule alone (the same on every rank)
-            score, skip = None, self._may_skip
+            skipped = self._skips_now(target, None, skip=self._may_skip)
         else:
-            self._indicator = self.indicator.sampled(target) - self._before
-            self._before = None
-            score = None if self._reference is None else self.indicator.score(self._indicator, self._reference)
-            skip = self._may_skip and score is not None and math.isfinite(score) and score < self.threshold
-        self.records.append((self._sigma, score, skip))
-        if not skip:
-            self._anchor = target.to(torch.float32, copy=True)  # a copy: the next blocks change the buffer in place
+            skipped = self._skips_now(target, self._probed(target))
+        if not skipped:
             return x
-        self._skips += 1
         replayed = (target.float() + self._replayed()).to(x.dtype)
         if not self._resumable:
             return Finish(replayed.flatten(0, 1))
