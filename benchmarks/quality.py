@@ -59,9 +59,9 @@ from qi21.demo import tiny_checkpoints as tiny
 from qi21.demo.toy_data import random_edit, random_scene
 from qi21.demo.toy_eval import ToyPipeline, analyse, psnr, ssim
 from qi21.demo.toy_model import TOY_DIR, write_toy_checkpoints
+from qi21.model.features.lora import apply_lora
 from qi21.model.layers.fast_gemm import force_scaled_mm
 from qi21.model.loaders.dit import load_dit
-from qi21.model.loaders.lora import apply_lora
 from qi21.model.sampling.step_cache import StepCacheOptions
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs
 from qi21.model.transformer.layout import build_layout

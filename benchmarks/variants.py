@@ -29,12 +29,13 @@ import torch
 from safetensors.torch import save_file
 
 import bench_pack  # noqa: F401  (registers the repository as package `qi21`)
+from qi21.model.features.control import apply_controlnet
+from qi21.model.features.lora import apply_lora
 from qi21.model.layers.gguf import GGUFLinear
 from qi21.model.layers.kitchen import gemm_summary
-from qi21.model.loaders.controlnet import apply_controlnet
 from qi21.model.loaders.dit import load_dit
 from qi21.model.loaders.dit_keys import file_plan
-from qi21.model.loaders.lora import apply_lora, clone_tree
+from qi21.model.loaders.lora import clone_tree
 from qi21.model.memory.planner import RunShape, run_estimate
 from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.prefix_cache.storage_formats import cache_storage

@@ -17,7 +17,7 @@ from dataclasses import replace as dataclass_replace
 from .features import registry  # noqa: F401 (registers the pack's features)
 from .features.plugin import Refused  # noqa: F401 (a refused pair's verdict, for readers of the table)
 from .features.record import ModelOptions, features, field_owners, pairs, verdict  # noqa: F401
-from .loaders.lora import clone_tree
+from .loaders.lora import AppliedLora, clone_tree
 from .parallel.split import SplitModel
 from .prefix_cache.storage_choice import CacheOptions, check_cache_storage
 
@@ -39,22 +39,24 @@ def options_of(model) -> ModelOptions:
     return record or PLAIN
 
 
-def with_options(model, *, build=None, fresh: bool = False, **changes):
+def with_options(model, *, build=None, turns_on: tuple[str, ...] = (), fresh: bool = False, **changes):
     """`model` with its record changed by `changes` (field names of `ModelOptions`), as a new model object: the
     record is checked against the table of pairs first, so a refused combination fails here, naming both features,
     before `build` does any work.
 
-    `build(model)` applies a feature's mechanism and returns the new model copy (a LoRA, a ControlNet), or None when
-    it only checks something; without a copy of its own the model is copied (sharing every weight). `fresh`: `model`
-    is a new object only the caller holds (a loader's), so `build` may change it in place and it takes the record
-    itself. A change that leaves the record as it was, without `build`, returns `model`.
+    `build(model)` applies a feature's mechanism and returns the new model copy, or None when it only checks
+    something; without a copy of its own the model is copied (sharing every weight). A feature's `apply_*` (a LoRA,
+    a ControlNet) records itself on its copy's record, which `changes` then extend: `turns_on` names the features
+    such a `build` turns on, for the check before it runs. `fresh`: `model` is a new object only the caller holds
+    (a loader's), so `build` may change it in place and it takes the record itself. A change that leaves the record
+    as it was, without `build`, returns `model`.
     """
     step_cache = changes.get("step_cache")
     if step_cache is not None and step_cache.mode == "off":
         changes["step_cache"] = None  # off is no step cache: the model runs exactly as without one
     old = options_of(model)
     record = old.replace(**changes)  # an unknown field is refused here, naming the options there are
-    problem = record.pair_problem()
+    problem = record.pair_problem(also=turns_on)
     if problem is not None:
         raise ValueError(problem)
     if build is None and record == old and not fresh:
@@ -62,6 +64,8 @@ def with_options(model, *, build=None, fresh: bool = False, **changes):
     new = build(model) if build is not None else None
     if new is None or new is model:
         new = model if fresh else _copy(model)
+    elif options_of(new) is not old:  # the build recorded its own feature on its copy: the changes go on top
+        record = options_of(new).replace(**changes)
     if isinstance(new, SplitModel):
         return dataclass_replace(new, options=record)
     new.options = record
@@ -78,18 +82,15 @@ def with_cache_options(model, device: str = "auto", dtype: str = "default"):
 
 
 def with_lora(model, path, strength: float, name: str, apply):
-    """`model` with one more LoRA: the record's `loras` extended, and its mechanism where the model runs: a split
-    model's recipe takes it (each worker applies it when it builds the chain, model/parallel/split.py); a model in
-    this process gets `apply(model, path, strength, name=name)` (model/loaders/lora.py's `apply_lora`, or a caller's
-    wrapper of it)."""
+    """`model` with one more LoRA on its record's `loras`, and its mechanism where the model runs: a split model's
+    recipe takes it (each worker applies it when it builds the chain, model/parallel/split.py); a model in this
+    process gets `apply(model, path, strength, name=name)` (features/lora.py's `apply_lora`, or a caller's wrapper
+    of it), which records it with the notes of its loading."""
     record = options_of(model)
     if record.split:
-        def build(split):
-            return split.with_lora(path, strength, name=name)
-    else:
-        def build(whole):
-            return apply(whole, path, strength, name=name)
-    return with_options(model, build=build, loras=record.loras + ((name, float(strength)),))
+        return with_options(model, build=lambda split: split.with_lora(path, strength, name=name),
+                            loras=record.loras + (AppliedLora(name, float(strength)),))
+    return with_options(model, build=lambda whole: apply(whole, path, strength, name=name), turns_on=("lora",))
 
 
 def _copy(model):

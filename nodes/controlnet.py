@@ -3,7 +3,8 @@
 samplers then run the control on the steps of its window and keep the prefix cache on (docs/controlnet.md)."""
 
 from ..model.encoders.control import FITS, control_latents
-from ..model.loaders.controlnet import apply_controlnet, load_controlnet
+from ..model.features.control import apply_controlnet
+from ..model.loaders.controlnet import load_controlnet
 from ..model.options import with_options
 from . import bridge, placement
 from .bridge import io
@@ -141,5 +142,4 @@ class QI21ControlNetApply(io.ComfyNode):
 
         if strength == 0.0 or not inputs:  # the model itself, as core does (no control on the record either)
             return io.NodeOutput(model)
-        return io.NodeOutput(with_options(model, build=build, control=getattr(control_net, "source", None) or
-                                          "a Fun ControlNet"))
+        return io.NodeOutput(with_options(model, build=build, turns_on=("control",)))

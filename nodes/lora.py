@@ -7,7 +7,7 @@ that uses the model without the LoRA gets the model without the LoRA.
 
 import functools
 
-from ..model.loaders.lora import apply_lora
+from ..model.features.lora import apply_lora
 from ..model.options import with_lora
 from . import bridge
 from .bridge import io

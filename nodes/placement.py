@@ -137,10 +137,10 @@ def run_shape(model, positive, negative, width: int, height: int, batch: int, pr
     grid = latent_shape(width, height)
     conditionings = [positive] + ([negative] if negative is not None else [])
     record, layers = options_of(model), model.config.num_layers
-    control = model.control if record.control is not None else None  # the record says; the copy holds the stream
+    control = record.control  # a ControlPatch, or None
     cache_layers = None
     if control is not None:  # its blocks' K/V, and a partial window's plain cache beside (prefix_cache/lifecycle.py)
-        cache_layers = layers + control.net.config.num_blocks + (0 if control.whole_schedule else layers)
+        cache_layers = layers + control.extra_layers + (0 if control.whole_schedule else layers)
     steps = record.step_cache  # None: no step cache
     return RunShape(tuple(c.layout(grid).prefix_len for c in conditionings), grid, batch, negative is not None,
                     prefix_cache, tuple(h * w for h, w in positive.ref_shapes), cache_layers=cache_layers,

@@ -16,15 +16,19 @@ from torch._dynamo.utils import counters
 import controlnet_fixtures as cf
 from dit_fixtures import Case, reference_velocity
 from qi21.model.encoders.conditioning import Conditioning
-from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
+from qi21.model.features.compile import compile_model
+from qi21.model.features.control import apply_controlnet
+from qi21.model.features.lora import apply_lora
+from qi21.model.loaders.controlnet import load_controlnet
 from qi21.model.loaders.dit import load_dit
-from qi21.model.loaders.lora import apply_lora, clone_tree
+from qi21.model.loaders.lora import clone_tree
 from qi21.model.memory.streaming import StreamedRun
+from qi21.model.options import options_of
 from qi21.model.prefix_cache.host_moves import HostPrefixKVCache
 from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.schedule import base_sigmas
-from qi21.model.transformer.compiled import COMPILE_MODES, compile_blocks
+from qi21.model.transformer.compiled import COMPILE_MODES
 
 TOL = 2e-5  # DESIGN.md: ours against diffusers, fp32
 
@@ -41,7 +45,7 @@ def dynamo():
 def compiled_copy(model, mode="blocks", backend="eager"):
     """A copy of `model` sharing its weights, with compiled blocks (the fixture's model stays eager)."""
     copy = clone_tree(model)
-    compile_blocks(copy, mode, backend)
+    compile_model(copy, mode, backend)
     return copy
 
 
@@ -155,7 +159,7 @@ def test_inductor_cached_step_equals_eager_in_fp32(dit_pair, dynamo):
 
 def test_a_host_cache_and_the_flex_prefill_run_eagerly_and_off_is_the_default(dit_pair, dynamo):
     _, base = dit_pair
-    assert base.compile_mode == "off" and all(block.compiled is None for block in base.blocks)
+    assert options_of(base).compile == "off" and all(block.compiled is None for block in base.blocks)
     assert COMPILE_MODES[0] == "off"
     model = compiled_copy(base)
     kwargs, prefixes, target = Case(refs=((4, 4),), target=(4, 6), runs=(5, 7)).make()
@@ -216,7 +220,7 @@ def test_quantized_weight_formats_run_inside_the_compiled_block(tmp_path, kind, 
 
     path, _, _ = write_dit(tmp_path, f"qwen_image_2.1_{kind}.safetensors", kind)
     eager, model = load_dit(path, weight_dtype="fp32"), load_dit(path, weight_dtype="fp32")
-    compile_blocks(model, "blocks", "eager")
+    compile_model(model, "blocks", "eager")
     _, prefixes, target = Case(refs=((4, 4),), target=(4, 6), runs=(5, 7)).make(context_dim=model.config.context_in_dim)
     t = torch.tensor([0.7])
     with torch.no_grad():

@@ -13,8 +13,9 @@ from dit_fixtures import make_case, reference_velocity
 from qi21.demo import tiny_checkpoints as tiny
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.encoders.control import control_latents
-from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
-from qi21.model.loaders.lora import apply_lora
+from qi21.model.features.control import apply_controlnet
+from qi21.model.features.lora import apply_lora
+from qi21.model.loaders.controlnet import load_controlnet
 from qi21.model.loaders.safetensors_io import CheckpointError
 from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
 from qi21.model.prefix_cache.layout import PrefixKVCache
@@ -198,7 +199,7 @@ def test_uncached_controlled_forward_equals_the_facts_written_out(pair, files, n
     with torch.no_grad():
         expected = oracle_velocity(reference, files["state"], kwargs, t, hint, strength)
         got = patched(target, t, prefixes, list(range(batch)),  # make_case gives each sample its own prompt
-                      hooks=[patched.control.stream(GRID, patched.config.num_layers, "cpu", torch.float32)])
+                      hooks=[patched.options.control.stream(GRID, patched.config.num_layers, "cpu", torch.float32)])
         plain = model(target, t, prefixes, list(range(batch)))
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
     assert (got - plain).abs().max() > 0.1  # the control changes the result
@@ -261,7 +262,7 @@ def test_window_follows_core_sigma_rule(pair, net, vae):
     start, end = percent_to_sigma(0.2), percent_to_sigma(0.8)
     assert math.isclose(start, math.exp(0.69) / (math.exp(0.69) + 0.25))
     assert percent_to_sigma(0.0) == 1.0 and percent_to_sigma(1.0) == 0.0
-    active = [patched.control.active(s) for s in SIGMAS[:-1].tolist()]
+    active = [patched.options.control.active(s) for s in SIGMAS[:-1].tolist()]
     assert active == [end <= s <= start for s in SIGMAS[:-1].tolist()]
     assert active[0] is False and active[-1] is False and any(active)
 

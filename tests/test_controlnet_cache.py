@@ -10,7 +10,8 @@ import controlnet_fixtures as cf
 from qi21.demo import tiny_checkpoints as tiny
 from qi21.model.encoders.conditioning import Conditioning
 from qi21.model.encoders.control import control_latents
-from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
+from qi21.model.features.control import apply_controlnet
+from qi21.model.loaders.controlnet import load_controlnet
 from qi21.model.prefix_cache.host_moves import HostPrefixKVCache
 from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
 from qi21.model.sampling.loop import sample

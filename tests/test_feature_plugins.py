@@ -135,9 +135,9 @@ def test_the_route_key_keeps_the_inputs_each_feature_says_decide_a_kept_prefix()
 def test_a_lora_applied_through_the_python_api_extends_the_copys_record(models_root, tiny_models):
     """`apply_lora` called directly (benchmarks, the workers) leaves no copy with the record of the model before."""
     from qi21.demo import tiny_checkpoints as tiny
-    from qi21.model.loaders.lora import apply_lora
+    from qi21.model.features.lora import apply_lora, lora_set
 
     plain = QI21ModelLoader.execute(gf.SINGLE["model"], "default")[0]
     copy = apply_lora(plain, tiny_models["root"] / "loras" / tiny.SPEED_LORA_FILE, 0.5, name="speed")
-    assert options_of(copy).loras == (("speed", 0.5),) and options_of(plain).loras == ()
+    assert lora_set(copy) == (("speed", 0.5),) and options_of(plain).loras == ()
     assert options_of(copy).active() == ("lora",)

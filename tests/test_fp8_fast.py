@@ -15,17 +15,18 @@ import torch
 import controlnet_fixtures as cf
 from dit_fixtures import make_case, unit_scale_dit
 from qi21.model.encoders.conditioning import Conditioning
+from qi21.model.features.compile import compile_model
+from qi21.model.features.control import apply_controlnet
+from qi21.model.features.lora import apply_lora
 from qi21.model.layers import fast_gemm, formats
 from qi21.model.layers.fast_gemm import force_int8_engine, force_scaled_mm
 from qi21.model.layers.kitchen import QuantLinear, fp8_rowwise_linears, gemm_summary
-from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
+from qi21.model.loaders.controlnet import load_controlnet
 from qi21.model.loaders.dit import FP8_PARAMS, load_dit
-from qi21.model.loaders.lora import apply_lora
 from qi21.model.memory.streaming import StreamedRun
 from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import initial_noise, sample
 from qi21.model.sampling.step_cache import StepCacheOptions
-from qi21.model.transformer.compiled import compile_blocks
 from qi21.model.transformer.dit import DiTConfig, QwenImage21DiT
 
 ROWWISE = "float8_e4m3fn_rowwise"
@@ -312,7 +313,7 @@ def test_compiled_blocks_trace_the_scaled_mm_path_without_a_break():
 
     fast = fast_copy(random_dit())
     compiled = fast_copy(random_dit())
-    compile_blocks(compiled, "blocks", "eager")
+    compile_model(compiled, "blocks", "eager")
     torch._dynamo.reset()
     counters.clear()
     try:

@@ -29,8 +29,9 @@ from safetensors.torch import load_file, save_file
 
 import graph_fixtures as gf
 from qi21.demo import tiny_checkpoints as tiny
+from qi21.model.features.lora import apply_lora
 from qi21.model.loaders.dit import load_dit
-from qi21.model.loaders.lora import MAX_DELTA, LoraError, apply_lora, read_lora
+from qi21.model.loaders.lora import MAX_DELTA, LoraError, read_lora
 from qi21.model.loaders.safetensors_io import SHOWN_CHARS, CheckpointError
 from qi21.model.sampling.img2img import MAX_SCHEDULE_STEPS, denoise_tail, smallest_denoise
 from qi21.model.sampling.loop import loaded_weights

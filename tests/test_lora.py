@@ -24,10 +24,11 @@ from dit_fixtures import make_case, reference_velocity, tiny_pair
 from oracle import BASE_SCHEDULER, TURBO_SCHEDULER, diffusers_loop
 from qi21.demo import tiny_checkpoints as tiny
 from qi21.model.encoders.conditioning import Conditioning
+from qi21.model.features.lora import apply_lora, lora_set
 from qi21.model.layers.linear import Linear
 from qi21.model.loaders.checkpoint import CheckpointError
 from qi21.model.loaders.dit import load_dit
-from qi21.model.loaders.lora import LoraError, apply_lora, lora_set, read_lora
+from qi21.model.loaders.lora import LoraError, read_lora
 from qi21.model.prefix_cache.kept_entries import PrefixCacheStore
 from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.sampling.loop import initial_noise, record_of, sample
@@ -460,7 +461,7 @@ def test_a_partly_matched_file_loads_and_the_report_counts_what_was_ignored(base
                "transformer.transformer_blocks.0.img_norm1.diff": torch.randn(32),  # affine-free: no weight
                "transformer.transformer_blocks.1.attn.to_k.hada_w1_a": torch.randn(64, 4)}
     model = apply_lora(base_model, write_lora(tmp_path / "partial.safetensors", tensors), 1.0)
-    (note,) = model.loras[0].notes
+    (note,) = model.options.loras[0].notes
     assert note.startswith("LoRA partial.safetensors: 4 of its keys were ignored")
     assert "2 text-encoder keys" in note and "1 LyCORIS LoHa (hada_*)" in note and "1 layer pair(s) applied" in note
     assert "1 keys that name no Linear of the Qwen-Image 2.1 DiT" in note and "img_norm1.diff" in note

@@ -19,10 +19,11 @@ from safetensors.torch import load_file, save_file
 
 from dit_fixtures import reference_velocity
 from qi21.demo import tiny_checkpoints as tiny
+from qi21.model.features.lora import apply_lora
 from qi21.model.layers.linear import Linear
 from qi21.model.layers.lora import DeltaBranch, release_branches
 from qi21.model.loaders.dit import load_dit
-from qi21.model.loaders.lora import LoraError, apply_lora, read_lora
+from qi21.model.loaders.lora import LoraError, read_lora
 from test_lora import case_for, velocities
 
 TOL = 1e-5
@@ -127,7 +128,7 @@ def test_a_comfyui_turbo_extract_on_base_equals_the_merged_weights(base_pair, ti
     plain = None
     for strength in (1.0, 0.5):
         with_lora = apply_lora(ours, path, strength)
-        assert with_lora.loras[0].notes == ()  # nothing ignored, nothing left out
+        assert with_lora.options.loras[0].notes == ()  # nothing ignored, nothing left out
         expected = assert_equals_reference(with_lora, merged_reference(reference, merged(base, deltas, strength)))
         plain = plain if plain is not None else assert_equals_reference(ours, reference)
         assert (expected - plain).abs().max() > 0.05  # the patch changes the output clearly
@@ -162,11 +163,11 @@ def test_bias_deltas_do_not_apply_as_in_comfyui_and_only_nonzero_ones_are_noted(
     zeros = {f"{stem}.diff_b": torch.zeros(n, dtype=torch.float16) for stem, n in rows.items()}
     expected_model = merged_reference(reference, merged(comfy_state(tiny_models["dit"]), file_deltas(tensors), 0.5))
     quiet = apply_lora(ours, write(tmp_path / "zero_bias.safetensors", {**tensors, **zeros}), 0.5)
-    assert quiet.loras[0].notes == ()
+    assert quiet.options.loras[0].notes == ()
     assert_equals_reference(quiet, expected_model)
     loud_key = PREFIX + "transformer_blocks.1.attn.to_out.0.diff_b"
     loud = apply_lora(ours, write(tmp_path / "bias.safetensors", {**tensors, **zeros, loud_key: torch.ones(64)}), 0.5)
-    (note,) = loud.loras[0].notes
+    (note,) = loud.options.loras[0].notes
     assert "1 of its 17 bias deltas (.diff_b) are not zero (diffusion_model.transformer_blocks.1.attn.to_out.0" in note
     assert "not applied; ComfyUI does not apply them either" in note and "ignored" not in note
     assert_equals_reference(loud, expected_model)
@@ -207,7 +208,7 @@ def test_within_one_module_a_full_patch_replaces_the_pair_as_in_comfyui(base_pai
                PREFIX + "transformer_blocks.1.attn.to_out.0.lora_up.weight": torch.randn(width, 4),
                PREFIX + "transformer_blocks.1.attn.to_out.0.diff": diff}
     model = apply_lora(ours, write(tmp_path / "both.safetensors", tensors), 1.0)
-    (note,) = model.loras[0].notes
+    (note,) = model.options.loras[0].notes
     assert "low-rank pairs replaced by a full-weight patch of the same module (as in ComfyUI)" in note
     key = "transformer_blocks.1.attn.to_out.0.weight"
     assert_equals_reference(model, merged_reference(reference, {key: reference.state_dict()[key] + diff}))

@@ -191,7 +191,7 @@ def ours_with_lora(model, strength):
 
     from safetensors.torch import save_file
 
-    from qi21.model.loaders.lora import apply_lora
+    from qi21.model.features.lora import apply_lora
 
     generator = torch.Generator().manual_seed(3)
     width = model.config.width

@@ -267,7 +267,7 @@ def test_bf16_layers_stay_bf16_and_base_and_turbo_come_from_the_name(tmp_path):
 
 
 def test_a_lora_runs_on_a_quantized_model(tmp_path, tiny_models):
-    from qi21.model.loaders.lora import apply_lora
+    from qi21.model.features.lora import apply_lora
 
     path, _, _ = write_dit(tmp_path, "qwen_image_2.1_int8_convrot.safetensors", "int8_convrot")
     model = load_dit(path)

@@ -215,7 +215,8 @@ def controlled(model, tmp_path_factory):
     import controlnet_fixtures as cf
     from qi21.demo import tiny_checkpoints as tiny
     from qi21.model.encoders.control import control_latents
-    from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
+    from qi21.model.features.control import apply_controlnet
+    from qi21.model.loaders.controlnet import load_controlnet
     from qi21.model.vae.autoencoder import QwenImage21VAE
 
     net = load_controlnet(cf.write(tmp_path_factory.mktemp("patches") / "fun.safetensors", cf.alibaba_state()))
@@ -253,7 +254,7 @@ def test_a_skipped_controlled_call_replays_the_later_control_skips_inside_the_re
             -rows:].clone())) for k in range(2)]
 
     def forward(stepper, x, sigma):
-        stream = whole.control.stream(GRID, 4, "cpu", torch.float32, net=net)
+        stream = whole.options.control.stream(GRID, 4, "cpu", torch.float32, net=net)
         # listed step cache first: the forward runs the hooks in their stated order (control, then step cache)
         return whole(x, sigma, prefixes, hooks=[stepper.call(sigma, key=True), stream])
 

@@ -188,7 +188,8 @@ def controlled_model(model, tmp_path_factory):
     import controlnet_fixtures as cf
     from qi21.demo import tiny_checkpoints as tiny
     from qi21.model.encoders.control import control_latents
-    from qi21.model.loaders.controlnet import apply_controlnet, load_controlnet
+    from qi21.model.features.control import apply_controlnet
+    from qi21.model.loaders.controlnet import load_controlnet
     from qi21.model.vae.autoencoder import QwenImage21VAE
 
     net = load_controlnet(cf.write(tmp_path_factory.mktemp("patches") / "fun.safetensors", cf.alibaba_state()))

@@ -71,7 +71,7 @@ def fp8_except(model, keep: str | None = None):
 
 def merged_lora_fp8(model, lora_path, strength: float):
     """`model` (a float load) with the LoRA merged into its weights, then its block linears quantized per channel."""
-    from qi21.model.loaders.lora import apply_lora
+    from qi21.model.features.lora import apply_lora
 
     with_lora = apply_lora(model, lora_path, strength)
     for name, module in list(with_lora.named_modules()):

@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 
 import variants
 from parts.gpu_check_common import Check, dit_calls, rel_diff, table
+from qi21.model.features.lora import apply_lora
 from qi21.model.layers.kitchen import gemm_summary
 from qi21.model.layers.linear import Linear
 from qi21.model.loaders.dit import load_dit
-from qi21.model.loaders.lora import apply_lora
 from qi21.model.prefix_cache.layout import PrefixKVCache
 from qi21.model.transformer.dit import QwenImage21DiT
 

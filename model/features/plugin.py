@@ -36,6 +36,11 @@ class RunPart:
         ControlNet's window); False for a feature without phases."""
         return False
 
+    def phase_cache(self):
+        """What the cache of its phase adds to the plain one (`extra_layers`, `cache_key`, `read_order(base_layers)`:
+        prefix_cache/lifecycle.py), or None for a feature without phases."""
+        return None
+
     def prepare(self, calls_in_phase: bool) -> None:
         """Before the first call's clock (`calls_in_phase`: some call of the run is in its phase)."""
 

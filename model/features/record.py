@@ -106,10 +106,12 @@ class ModelOptions:
         """Whether the DiT runs in worker processes (the devices feature is on)."""
         return bool(self._values.get("devices"))
 
-    def pair_problem(self) -> str | None:
-        """The refusal for the first refused pair of features this record has on, naming both; None when all
-        compose."""
-        for a, b in itertools.combinations(self.active(), 2):
+    def pair_problem(self, also: tuple[str, ...] = ()) -> str | None:
+        """The refusal for the first refused pair of features this record has on (and the features in `also`, which
+        a mechanism is about to turn on), naming both; None when all compose."""
+        on = self.active()
+        on += tuple(name for name in _FEATURES if name in also and name not in on)
+        for a, b in itertools.combinations(on, 2):
             found = verdict(a, b)
             if isinstance(found, Refused):
                 return f"{_FEATURES[a].label} and {_FEATURES[b].label} do not work together: {found.advice}"
@@ -129,6 +131,12 @@ class ModelOptions:
                 if part is not None:
                     parts.append(part)
         return parts
+
+
+def record_on(model) -> ModelOptions:
+    """The record a model copy carries (`model.options`, which the loaders, the nodes and the features' `apply_*`
+    set); a plain one for a model built in code that none has set."""
+    return getattr(model, "options", None) or ModelOptions()
 
 
 def _rebuild(values: dict) -> ModelOptions:

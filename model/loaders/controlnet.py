@@ -180,11 +180,12 @@ def load_controlnet(path, weight_dtype: str = "default", device="cpu") -> FunCon
     return net.eval()
 
 
-def apply_controlnet(model, net: FunControlNet, hint_for, strength: float = 1.0, start_percent: float = 0.0,
-                     end_percent: float = 1.0, inputs: tuple[str, ...] = ("control_image",)):
-    """`model` with the control net applied, as a new model object sharing every weight with `model` (which is
-    never changed), like `apply_lora`; LoRAs chain before or after it. `hint_for(grid)` builds the control latent
-    `(h*w, 129)` for a target grid. Strength 0 or no input returns `model` itself, as ComfyUI core does."""
+def attach_controlnet(model, net: FunControlNet, hint_for, strength: float = 1.0, start_percent: float = 0.0,
+                      end_percent: float = 1.0, inputs: tuple[str, ...] = ("control_image",)):
+    """(`model` with the control net's blocks as a new model object sharing every weight with `model`, which is never
+    changed; the `ControlPatch` that runs them), or (`model`, None) for strength 0 or no input, as ComfyUI core does.
+    `hint_for(grid)` builds the control latent `(h*w, 129)` for a target grid. The mechanism only:
+    `features/control.apply_controlnet` records the patch on the copy's options record."""
     strength, start_percent, end_percent = float(strength), float(start_percent), float(end_percent)
     if not all(map(lambda v: v == v and abs(v) != float("inf"), (strength, start_percent, end_percent))):
         raise ValueError("strength, start_percent and end_percent must be finite numbers.")
@@ -192,8 +193,8 @@ def apply_controlnet(model, net: FunControlNet, hint_for, strength: float = 1.0,
         raise ValueError(f"start_percent {start_percent} and end_percent {end_percent}: use 0 <= start <= end <= 1 "
                          "(the share of the schedule, from its first step, where the control applies).")
     if strength == 0.0 or not inputs:
-        return model
-    if getattr(model, "control", None) is not None:
+        return model, None
+    if "control_net" in model._modules:
         raise ValueError("this model already has a Fun ControlNet applied; apply one per model (the control net "
                          "takes a control image and an inpaint mask together).")
     layers = net.check_fits(model.config, net.source or "the control net")
@@ -205,9 +206,9 @@ def apply_controlnet(model, net: FunControlNet, hint_for, strength: float = 1.0,
             block.compiled = model.blocks[0].compiled
     new.add_module("control_net", stream_net)  # counted, moved and offloaded with the model (the copy's own child list)
     new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object
-    new.control = ControlPatch(net, strength, start_percent, end_percent, hint_for, model, layers,
-                               name=net.source or "", inputs=tuple(inputs))
-    record = getattr(model, "options", None)  # a copy never carries a stale record (model/options.py)
-    if record is not None:
-        new.options = record.replace(control=net.source or "a Fun ControlNet")
-    return new
+    # prefix caches are keyed by the model the control was applied to (kept_entries.cache_owner): a new control image
+    # reuses its prefix, and the steps outside the window share plain caches with that model's runs
+    new.cache_base = model
+    patch = ControlPatch(net, strength, start_percent, end_percent, hint_for, layers, name=net.source or "",
+                         inputs=tuple(inputs))
+    return new, patch

@@ -454,11 +454,6 @@ class AppliedLora:
     notes: tuple[str, ...] = ()
 
 
-def lora_set(model) -> tuple[tuple[str, float], ...]:
-    """(name, strength) of each LoRA applied to `model`, in order; () for a plain model."""
-    return tuple((lora.name, lora.strength) for lora in getattr(model, "loras", ()))
-
-
 def clone_tree(module: torch.nn.Module) -> torch.nn.Module:
     """A new module object for `module` and every submodule; parameters and buffers are the same objects (moving
     either tree moves both), and every container (parameters, buffers, hooks, submodules) is the copy's own."""
@@ -472,10 +467,11 @@ def clone_tree(module: torch.nn.Module) -> torch.nn.Module:
     return new
 
 
-def apply_lora(model: QwenImage21DiT, path, strength: float = 1.0, name: str | None = None) -> QwenImage21DiT:
-    """`model` with the LoRA in `path` at `strength`, as a new model object sharing every weight with `model`
-    (which is never changed); chain calls to stack LoRAs. Everything is read and checked before the copy is made.
-    """
+def attach_lora(model: QwenImage21DiT, path, strength: float = 1.0,
+                name: str | None = None) -> tuple[QwenImage21DiT, AppliedLora]:
+    """(`model` with the LoRA in `path` at `strength` as a new model object sharing every weight with `model`, which
+    is never changed; what to record of it). Everything is read and checked before the copy is made. The mechanism
+    only: `features/lora.apply_lora` records it on the copy's options record."""
     strength = float(strength)
     if not math.isfinite(strength):
         raise ValueError(f"LoRA strength must be a finite number, got {strength}.")
@@ -490,8 +486,4 @@ def apply_lora(model: QwenImage21DiT, path, strength: float = 1.0, name: str | N
             linear = new.get_submodule(path_)
             linear.adapters = (*linear.adapters, LowRankBranch(pairs, strength))
     new.manager = None  # the host's memory handle (ComfyUI's patcher) belongs to the original object
-    new.loras = (*getattr(model, "loras", ()), AppliedLora(lora.name, strength, tuple(lora.notes())))
-    record = getattr(model, "options", None)  # a copy never carries a stale record (model/options.py)
-    if record is not None:
-        new.options = record.replace(loras=record.loras + ((lora.name, strength),))
-    return new
+    return new, AppliedLora(lora.name, strength, tuple(lora.notes()))

@@ -103,7 +103,7 @@ def run_layers(model: QwenImage21DiT) -> list[nn.Module]:
     """The blocks one step runs, in the order it runs them: the DiT's, and on a Fun ControlNet copy each control
     block right after its base block (transformer/controlnet.py). What the planner counts and streaming streams,
     so a control net's blocks are streamed like the DiT's when they do not fit."""
-    control = getattr(model, "control", None)
+    control = model.options.control if model.options is not None else None  # the record says (features/record.py)
     if control is None:
         return list(model.blocks)
     base = len(model.blocks)

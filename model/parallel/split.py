@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..features.devices import PARALLEL_MODES  # noqa: F401 (declared by the feature; the loader reads it here)
+from ..features.lora import apply_lora
 from ..loaders.dit import load_dit
-from ..loaders.lora import apply_lora
 from ..sampling.loop import SampleResult
 from . import pool as pools
 from .worker import from_value, run_sample

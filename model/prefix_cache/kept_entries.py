@@ -257,7 +257,7 @@ class PrefixCacheStore:
                     "dtype": str(kv[0].dtype).replace("torch.", "") if kv else None,
                     "age_seconds": round(now - info.since, 3),
                     "hits": info.hits,
-                    "loras": [list(lora) for lora in key[-1]],
+                    "loras": [list(lora) for lora in dict(key[-1]).get("lora", ())],  # the record's kept identity
                     "controlled": len(key) > 3,
                 })
             return {"entries": entries, "bytes": _unique_bytes(c for _, c in self._entries.values()),
@@ -288,11 +288,9 @@ def _inherit(cache, old) -> None:
 
 
 def cache_owner(model):
-    """The model whose identity keys its prefix caches: for a Fun ControlNet copy, the model it was applied to; for
-    a copy that only sets cache options (`cache_base`), the model it was made from (the storage is in the key)."""
-    control = getattr(model, "control", None)
-    if control is not None:
-        return cache_owner(control.base)
+    """The model whose identity keys its prefix caches: for a copy that shares its prefix rows with the model it was
+    made from (`cache_base`: a copy that only changes options, whose storage is in the key; a Fun ControlNet copy,
+    whose controlled prefix adds the control's key), that model's owner."""
     base = getattr(model, "cache_base", None)
     return model if base is None else cache_owner(base)
 

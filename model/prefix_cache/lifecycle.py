@@ -57,39 +57,40 @@ class RunCaches:
     """The run's caches by phase (False: plain; True: with the control). `get(phase)` plans on first use."""
 
     def __init__(self, model, prefixes, runs, *, store: PrefixCacheStore | None, keep_cache: bool, new_cache,
-                 device, dtype, storage=None, prefix_key: str | None = None, identity: tuple = ()):
+                 device, dtype, storage=None, prefix_key: str | None = None, identity: tuple = (), phased=None):
         self.model, self.prefixes, self.runs, self.prefix_key = model, prefixes, runs, prefix_key
         self.identity = identity  # what the model's features say a kept cache must match (the record's)
         self.storage = storage  # None (the compute dtype) or a cache_storage.QuantizedRows
         self.store, self.keep_cache, self.new_cache = store, keep_cache, new_cache or PrefixKVCache
         self.compute_device, self.dtype = device, dtype
-        self.control = getattr(model, "control", None)
+        # what the phase's cache adds to the plain one (a `RunPart.phase_cache()`: a Fun ControlNet's `ControlPatch`)
+        self.phased = phased
         self.phases: dict[bool, PhaseCache] = {}
 
-    def layers(self, controlled: bool) -> int:
-        extra = self.control.net.config.num_blocks if controlled else 0
+    def layers(self, in_phase: bool) -> int:
+        extra = self.phased.extra_layers if in_phase else 0
         return self.model.config.num_layers + extra
 
-    def get(self, controlled: bool) -> PhaseCache:
-        if controlled not in self.phases:
-            self.phases[controlled] = self._plan(controlled)
-        return self.phases[controlled]
+    def get(self, in_phase: bool) -> PhaseCache:
+        if in_phase not in self.phases:
+            self.phases[in_phase] = self._plan(in_phase)
+        return self.phases[in_phase]
 
-    def mode(self, controlled: bool) -> str:
+    def mode(self, in_phase: bool) -> str:
         """"cached" once the phase's cache holds every prefix row, else "prefill" (its first step)."""
-        return "cached" if self.get(controlled).cache.filled else "prefill"
+        return "cached" if self.get(in_phase).cache.filled else "prefill"
 
-    def _plan(self, controlled: bool) -> PhaseCache:
+    def _plan(self, in_phase: bool) -> PhaseCache:
         """The phase's cache, planned: its prefixes start from the longest leading runs kept in the store (with
         `keep_cache`) or shared with another prefix of the run; filled already when nothing is left to compute."""
         model, runs = self.model, self.runs
-        extra = (self.control.cache_key,) if controlled else ()
+        extra = (self.phased.cache_key,) if in_phase else ()
         key = PrefixCacheStore.key(model, *extra, dtype=self.dtype, storage=self.storage_name, identity=self.identity)
-        layers = self.layers(controlled)
+        layers = self.layers(in_phase)
         cache = self.new_cache()
         cache.storage = self.storage
-        if controlled and hasattr(cache, "read_order"):  # a host-side cache fetches the layer read next
-            cache.read_order = self.control.read_order(model.config.num_layers)
+        if in_phase and hasattr(cache, "read_order"):  # a host-side cache fetches the layer read next
+            cache.read_order = self.phased.read_order(model.config.num_layers)
         bases, taken = [None] * len(runs), []
         if self.keep_cache:
             taken, bases, whole = self.store.reuse(key, runs, self.compute_device, cache.shares_rows)
@@ -108,9 +109,9 @@ class RunCaches:
         cache.runs = tuple(runs)
         return PhaseCache(cache, taken, from_store, key, layers, model.config.num_layers)
 
-    def done_with(self, controlled: bool) -> None:
+    def done_with(self, in_phase: bool) -> None:
         """The phase's last step ran: without `keep_cache` nothing reads its cache again, so free it now."""
-        phase = self.phases.get(controlled)
+        phase = self.phases.get(in_phase)
         if phase is not None and not self.keep_cache:
             phase.note()
             phase.cache.free()

@@ -22,7 +22,7 @@ import torch
 
 from ..encoders.conditioning import Conditioning
 from ..features import registry  # noqa: F401 (registers the pack's features)
-from ..features.record import ModelOptions
+from ..features.record import ModelOptions, record_on
 from ..prefix_cache.kept_entries import PrefixCacheStore
 from ..prefix_cache.leading_runs import prefix_runs
 from ..prefix_cache.lifecycle import RunCaches
@@ -101,7 +101,7 @@ def compute_dtype_name(model) -> str:
     return str(getattr(model, "compute_dtype", "unknown")).removeprefix("torch.")
 
 
-def loaded_weights(model) -> tuple[str, str]:
+def loaded_weights(model, record: ModelOptions | None = None) -> tuple[str, str]:
     """(what the DiT runs with, what to try) for the NaN/inf message: the file, its weight format, the compute dtype
     and the LoRAs, and the advice that fits them instead of a guess."""
     compute = compute_dtype_name(model)
@@ -115,7 +115,7 @@ def loaded_weights(model) -> tuple[str, str]:
         stored.append(f"quantized {', '.join(source.quantized)}")
     elif any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
         stored.append("fp8_e4m3fn block weights")
-    loras = [f"{lora.name} at strength {lora.strength:g}" for lora in getattr(model, "loras", ())]
+    loras = [f"{lora.name} at strength {lora.strength:g}" for lora in (record or record_on(model)).loras]
     what = (f"{source.path.name if source is not None else 'the DiT'} ({', '.join(stored + [f'{compute} compute'])})"
             + (f" with LoRA {', '.join(loras)}" if loras else ""))
     advice = []
@@ -135,8 +135,8 @@ class _FiniteWatch:
     stays on the device and is read when the run ends (one host sync per run, not one per step), and the error
     still names the first bad step and what was loaded."""
 
-    def __init__(self, device: torch.device, sigmas: torch.Tensor, model=None):
-        self.sigmas, self.model = sigmas, model
+    def __init__(self, device: torch.device, sigmas: torch.Tensor, model=None, record=None):
+        self.sigmas, self.model, self.record = sigmas, model, record
         self.deferred = device.type == "cuda"
         self.flags = torch.ones(sigmas.numel() - 1, dtype=torch.bool, device=device) if self.deferred else None
 
@@ -151,7 +151,7 @@ class _FiniteWatch:
             self._fail(int((~self.flags).nonzero()[0]))
 
     def _fail(self, step: int) -> None:
-        what, advice = loaded_weights(self.model)
+        what, advice = loaded_weights(self.model, self.record)
         raise NonFiniteLatentsError(
             f"the latents became NaN/inf at step {step + 1} of {self.sigmas.numel() - 1} (sigma "
             f"{self.sigmas[step].item():.4f}) running {what}; {advice}."
@@ -254,17 +254,9 @@ def sample(model: QwenImage21DiT, positive: Conditioning, *, sigmas, width: int,
 
 
 def record_of(model, given=None) -> ModelOptions:
-    """The record a run follows: `given`, else the one the model copy carries (`with_options`; `apply_lora` and
-    `apply_controlnet` extend it on their copies), else a plain one. A bare model that never had a record (built
-    through the Python API, not a loader) gets the ControlNet or LoRAs applied to it here, so the run never differs
-    from what the copy holds."""
-    record = given if given is not None else getattr(model, "options", None) or ModelOptions()
-    control, loras = getattr(model, "control", None), getattr(model, "loras", ())
-    if control is not None and record.control is None:
-        record = record.replace(control=str(control.report().get("file") or "control"))
-    if loras and not record.loras:
-        record = record.replace(loras=tuple((lora.name, lora.strength) for lora in loras))
-    return record
+    """The record a run follows: `given`, else the one the model copy carries (`with_options`; the features'
+    `apply_lora` and `apply_controlnet` extend it on their copies), else a plain one."""
+    return given if given is not None else record_on(model)
 
 
 def run(model: QwenImage21DiT, spec: RunSpec, services: RunServices = RunServices()) -> SampleResult:
@@ -309,7 +301,9 @@ def run(model: QwenImage21DiT, spec: RunSpec, services: RunServices = RunService
     # the caches are planned on first use: a kept entry they take out of the store is handled by `close` below
     caches = RunCaches(model, prefixes, runs, store=services.store, keep_cache=spec.keep_cache,
                        new_cache=services.new_cache, device=device, dtype=dtype, storage=storage,
-                       prefix_key=prefix_key, identity=record.kept_identity(model)) if cached else None
+                       prefix_key=prefix_key, identity=record.kept_identity(model),
+                       phased=next((p.phase_cache() for p in parts if p.phase_cache() is not None), None)
+                       ) if cached else None
     interrupt = None if services.check_interrupt is None else EveryBlock(lambda index: services.check_interrupt())
 
     def phase_at(sigma) -> bool:
@@ -325,7 +319,7 @@ def run(model: QwenImage21DiT, spec: RunSpec, services: RunServices = RunService
                      cache=caches.get(call.phase).cache if cached else None, mode=mode,
                      attention=services.attention, hooks=(*hooks, interrupt))
 
-    clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model), [], False
+    clock, watch, modes, succeeded = _StepClock(device), _FiniteWatch(device, sigmas, model, record), [], False
     denoiser = FlowDenoiser(forward, dtype=dtype, device=device, use_cfg=use_cfg, cfg=spec.cfg, grid=grid,
                             mode_of=mode_of, clock=clock, modes=modes,
                             on_call=None if spec.sampler is None else services.callback,

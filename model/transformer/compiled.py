@@ -136,7 +136,6 @@ def compile_blocks(model, mode: str, backend: str = "inductor") -> None:
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}.")
     compiled = None if mode == "off" else CompiledBlocks(mode, backend)
-    model.compile_mode = mode
     control = getattr(model, "control_net", None)
     for block in list(model.blocks) + (list(control.blocks) if control is not None else []):
         block.compiled = compiled
@@ -145,5 +144,6 @@ def compile_blocks(model, mode: str, backend: str = "inductor") -> None:
 def begin_step(model) -> None:
     """Before a forward: under CUDA graphs, tell the graph trees a new step starts, so the previous step's outputs
     (held by nobody now: the sampler keeps its own copies) may be overwritten by this step's replays."""
-    if getattr(model, "compile_mode", "off") == "blocks+cudagraphs":
+    compiled = model.blocks[0].compiled if len(model.blocks) else None  # the mode is the compiled forward's own
+    if compiled is not None and compiled.mode == "blocks+cudagraphs":
         torch.compiler.cudagraph_mark_step_begin()

@@ -189,11 +189,12 @@ class ControlStream(BlockHook):
 
 @dataclass(eq=False)
 class ControlPatch:
-    """What a controlled model copy carries (`model.control`): the net, strength, window and the control latent.
+    """What a controlled model copy's record holds (`record.control`): the net, strength, window and the control
+    latent; as the phase of a run (`RunPart.phase_cache`), what its cache adds to the plain one.
 
     `hint_for(grid)` builds the `(h*w, 129)` control latent for a target grid (VAE encoding happens there, once
-    per size). `base` is the model the control was applied to: prefix caches are keyed by it, the control net's
-    identity and the strength, never by the control image (prefix rows never see it).
+    per size). A controlled prefix is keyed by the model the control was applied to, the control net's identity and
+    the strength (`cache_key`), never by the control image (prefix rows never see it).
     """
 
     net: FunControlNet
@@ -201,7 +202,6 @@ class ControlPatch:
     start_percent: float
     end_percent: float
     hint_for: Callable[[tuple[int, int]], torch.Tensor]
-    base: nn.Module
     layers: tuple[int, ...]
     name: str = ""
     inputs: tuple[str, ...] = ()  # which of control_image / inpaint_image / mask were given
@@ -223,6 +223,15 @@ class ControlPatch:
     def active(self, sigma: float) -> bool:
         """Whether the control applies at this sigma (core: `sigma_end <= sigma <= sigma_start`)."""
         return self.sigma_end <= float(sigma) <= self.sigma_start
+
+    def __repr__(self) -> str:  # what a record's repr shows (not the net's modules)
+        window = f"{self.start_percent:g}-{self.end_percent:g}"
+        return f"ControlPatch({self.name!r}, strength={self.strength:g}, window={window})"
+
+    @property
+    def extra_layers(self) -> int:
+        """Cache layers a controlled step adds to the base blocks' (one per control block)."""
+        return self.net.config.num_blocks
 
     @property
     def cache_key(self) -> tuple:

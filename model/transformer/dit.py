@@ -128,7 +128,9 @@ class QwenImage21DiT(nn.Module):
         self.compute_dtype = dtype or torch.float32
         self.source = None  # what the loader read (loaders.dit_keys.DiTSource); None for a model built in code
         self.manager = None  # the host's memory-management handle (nodes/bridge.py keeps ComfyUI's patcher here)
-        self.compile_mode = "off"  # compiled.COMPILE_MODES; set with compiled.compile_blocks
+        # the options record (model/features/record.py): which features this copy runs with, the only place that
+        # says so; set by the loaders, the nodes and the features' `apply_*`; None for a model built in code
+        self.options = None
         # this process's share of a forward split over several (model/parallel/ulysses.py: `shard` after `prepare`,
         # `gather` after the output head); None: this process does all of it
         self.parallel = None
