@@ -2,6 +2,7 @@
 packages with the same lower bounds; only torch differs on purpose (a bare name in requirements.txt, so a user's
 CUDA build is never replaced)."""
 
+import fnmatch
 import re
 from pathlib import Path
 
@@ -95,3 +96,33 @@ def test_registry_classifiers_are_ones_the_registry_reads():
     accelerators = [c.removeprefix("Environment :: ") for c in classifiers if c.startswith("Environment :: ")]
     assert systems and all(s.startswith(REGISTRY_OS) for s in systems)
     assert accelerators and set(accelerators) <= REGISTRY_ACCELERATORS
+
+
+# -- what the registry archive carries (.comfyignore: git's tracked files minus these patterns) --------------------
+
+def comfyignore_patterns() -> list[str]:
+    return [line.strip() for line in (ROOT / ".comfyignore").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+def archived(relative: str) -> bool:
+    """Whether a repository path survives .comfyignore (gitignore-style: `dir/` drops the folder, `*` any name)."""
+    parts = relative.split("/")
+    for pattern in comfyignore_patterns():
+        folder = pattern.endswith("/")
+        pattern = pattern.rstrip("/")
+        candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + (0 if folder else 1))]
+        candidates += parts[:-1] if folder else parts  # a pattern without a slash matches a name at any depth
+        if any(fnmatch.fnmatchcase(c, pattern) for c in candidates):
+            return False
+    return True
+
+
+def test_the_archive_ships_the_subgraph_blueprints_and_not_their_generator():
+    """ComfyUI finds blueprints at custom_nodes/<pack>/subgraphs/*.json (app/subgraph_manager.py): the folder must be
+    at the root of the archive, as it is in the repository."""
+    blueprints = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "subgraphs").glob("*.json"))
+    assert len(blueprints) == 5 and all(archived(p) for p in blueprints), blueprints
+    assert archived("workflows/text_to_image_base.json") and archived("nodes/bridge.py")
+    assert not archived("workflows/build_blueprints.py") and not archived("workflows/build_workflows.py")
+    assert not archived("tests/test_blueprints.py") and not archived("demo/x.py") and not archived("a/b/x.pyc")

@@ -30,6 +30,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 RUN = {
     "ruff check .": r"All checks passed",
     "python locales/build_locales.py --check": r"",
+    "python workflows/build_blueprints.py --check": r"",
     f"python nodes/route_key.py {ROUTE_GRAPH} --input-dir out/toy_input": r"^[0-9a-f]{32}\s*$",
     f"python nodes/route_key.py {ROUTE_GRAPH} --hash example.png=<sha256> --explain":
         r'"QI21Reference"[\s\S]*\n[0-9a-f]{32}\s*$',
