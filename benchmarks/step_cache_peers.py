@@ -1,6 +1,7 @@
 """Our step methods against the peers' caches, on the trained toy (demo/toy), whole prompts, interleaved:
 
-    python benchmarks/step_cache_peers.py [--prompts 14] [--edits 16] [--steps 40] [--cfg 1] [--passes 3] [--threads 1]
+    python benchmarks/step_cache_peers.py [--prompts 14] [--edits 16] [--seed 7] [--steps 40] [--cfg 1] [--passes 3]
+        [--calibrate-cfg 1] [--threads 1]
         [--only LABEL,...] [--no-diffusers | --no-ours] [--task t2i|edit] [--json FILE] [--merge FILE ...]
         [--no-measure] [--plot docs/images/step_cache_curve.png]
         [--turbo]   (the Turbo model, 8 steps: masks instead of schedules, no peers)
@@ -9,7 +10,8 @@
 Cases (the defaults): the issue's yardstick, its 20 pictures (quality.py `cases`, seed 7: 14 prompts and 6 edits)
 plus 10 more edits with references (`--edits 16`: the same draw's next 10; each edit's reference is its source
 scene), 40 Base steps, 256 px, cfg 1 (`--cfg 4`: true CFG against the empty prompt, ours batched, diffusers' loop
-one call per prompt). None of them calibrates anything (the schedules are chosen on `cases(seed=99)`, below).
+one call per prompt). None of them calibrates anything (the schedules are chosen on `cases(seed=99)`, below);
+`--seed N` draws other cases, held out from the presets' pick too (made on seed 7's curve).
 Each case runs, in a rotating order, the exact path (no step cache) and every setting of `settings()`, `--passes`
 times (each pass in another rotation; the pictures of the first pass are judged, they are the same each pass); a run
 is the whole prompt: the text (and reference) encoded, sampled, decoded. Per setting: PSNR / SSIM of the RGBA
@@ -20,8 +22,8 @@ share too).
 
 Calibration (DPCache's idea): the full steps of `schedule` settings are chosen on other draws (`cases(seed=99)`, 3
 prompts and 2 edits, never judged) from the exact runs' residuals of every block (input of block 0 to output of the
-last): a dynamic programme over the
-last two full steps picks the K steps that minimise the forecast's (order 1) error summed over the skipped steps,
+last) at cfg 1 (`--calibrate-cfg 4`: runs at cfg 4, both prompts' rows): a dynamic programme over the last two full
+steps picks the K steps that minimise the forecast's (order 1) error summed over the skipped steps,
 each weighted by its step in sigma.
 
 Peers: diffusers 0.42.1's FirstBlockCache, TaylorSeer, SeaCache and MagCache (calibrated once on a calibration
@@ -59,17 +61,17 @@ BUDGETS = (4, 5, 6, 8, 13, 16, 20, 24)  # full steps of 40 the calibrated schedu
 
 
 # -- calibration ---------------------------------------------------------------------------------------------------
-def residuals_of(pipe: ToyPipeline, prompt, references, seed: int, steps: int) -> list[torch.Tensor]:
+def residuals_of(pipe: ToyPipeline, prompt, references, seed: int, steps: int, cfg: float = 1.0) -> list[torch.Tensor]:
     """The exact run's residual of every block on the target rows, per step (fp32): what a skipped step of a
-    schedule without a probe block (probe_blocks 0) forecasts."""
+    schedule without a probe block (probe_blocks 0) forecasts. cfg > 1: both prompts' rows (one batched call)."""
     model, before, after = pipe.dit(), [], []
-    tokens = (SIZE // 16) ** 2
+    tokens = (SIZE // 16) ** 2 * (2 if cfg > 1 else 1)
     hooks = [model.blocks[0].register_forward_pre_hook(  # a copy: the blocks change their buffer in place
                  lambda module, args: before.append(args[0][-tokens:].float().clone())),
              model.blocks[-1].register_forward_hook(
                  lambda module, args, out: after.append(out[-tokens:].float().clone()))]
     try:
-        pipe.generate(prompt, seed, references, steps=steps)
+        pipe.generate(prompt, seed, references, steps=steps, cfg=cfg, negative="" if cfg > 1 else None)
     finally:
         for hook in hooks:
             hook.remove()
@@ -213,14 +215,17 @@ def measure(args) -> list[dict]:
             elif args.calibrated:  # an earlier run's schedules (the same draws and steps give the same ones)
                 schedules = {int(k): v for k, v in json.loads(Path(args.calibrated).read_text())["full_steps"].items()}
             else:
-                runs = [residuals_of(pipe, p, (pipe.reference(s.render()),) if s else (), seed, args.steps)
-                        for p, s, seed in calibration]
+                runs = [residuals_of(pipe, p, (pipe.reference(s.render()),) if s else (), seed, args.steps,
+                                     args.calibrate_cfg) for p, s, seed in calibration]
                 schedules = calibrate(runs, sigmas)
             print("calibrated schedules (full steps, 0-based):", json.dumps(schedules), flush=True)
             if args.schedules:
                 Path(args.schedules).write_text(json.dumps({"steps": args.steps, "full_steps": schedules}, indent=1))
             chosen = [s for s in (turbo_settings() if args.turbo else settings(schedules, args.steps))
                       if not args.only or any(w in s[0] for w in args.only.split(","))]
+            if args.calibrate_cfg != 1:  # the schedules' labels say so (the presets are calibrated at cfg 1)
+                chosen = [(f"{label}, calibrated at cfg {args.calibrate_cfg:g}" if label.startswith("schedule")
+                           else label, kind, options) for label, kind, options in chosen]
         transformer = diffusers_configs = None
         if not args.no_diffusers:
             peers.register_block()
@@ -234,7 +239,7 @@ def measure(args) -> list[dict]:
                 diffusers_configs = {k: v for k, v in diffusers_configs.items()
                                      if any(w in k for w in args.only.split(","))}
             print("cache-dit:", peers.try_cache_dit(models), flush=True)
-        for number, (prompt, source, seed) in enumerate(cases(7, args.prompts, args.edits)):
+        for number, (prompt, source, seed) in enumerate(cases(args.seed, args.prompts, args.edits)):
             task = "edit" if source is not None else "t2i"
             if args.task not in ("all", task):
                 continue
@@ -347,6 +352,10 @@ def main(argv=None):
     parser.add_argument("--edits", type=int, default=16)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--cfg", type=float, default=1.0, help="true CFG against the empty prompt (1: none)")
+    parser.add_argument("--seed", type=int, default=7,
+                        help="the draw of the judged cases (7: the yardstick's; another: fresh held-out cases)")
+    parser.add_argument("--calibrate-cfg", type=float, default=1.0,
+                        help="the cfg of the calibration runs (the presets': 1)")
     parser.add_argument("--passes", type=int, default=3,
                         help="interleaved passes per case; its time ratio is the median over them")
     parser.add_argument("--threads", type=int, default=1)
