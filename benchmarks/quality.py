@@ -63,6 +63,7 @@ from qi21.model.features.lora import apply_lora
 from qi21.model.layers.fast_gemm import force_scaled_mm
 from qi21.model.loaders.dit import load_dit
 from qi21.model.sampling.step_cache import StepCacheOptions
+from qi21.model.sampling.step_presets import shipped_presets
 from qi21.model.transformer.dit import DiTConfig, PrefixInputs
 from qi21.model.transformer.layout import build_layout
 from qi21.nodes import bridge
@@ -71,7 +72,7 @@ from qi21.nodes.controlnet import QI21ControlNetApply, QI21ControlNetLoader
 from qi21.nodes.decode import QI21VAEDecode
 from qi21.nodes.loaders import QI21ModelLoader, QI21TextEncoderLoader, QI21VAELoader
 from qi21.nodes.samplers import QI21Sampler, QI21TurboSampler
-from qi21.nodes.step_cache import QI21StepCache
+from qi21.nodes.step_cache import QI21StepCache, method_options
 from variants import comfy_tensors, quantized_file, write_gguf
 
 T2I, EDITS = 14, 6
@@ -416,7 +417,10 @@ with the exact one (PSNR over RGBA in [0, 1], SSIM with an 11x11 Gaussian window
         [--json FILE]   (every case's row: PSNR, SSIM, seconds and CPU seconds with the exact run's, skips)
 
 A setting is `mode` (T8's thresholds: 0.08 t2i, 0.03 edits) or `mode:threshold[:max_skips[:start-end]]` (that
-threshold for both, e.g. `t8:0.12:3:0.1-0.9`). `--control` writes a random
+threshold for both, e.g. `t8:0.12:3:0.1-0.9`), then any of the step methods' inputs of the node as `name=value`
+(order, probe_blocks, back_blocks, full_first, full_every, full_last, edit_threshold; schedule as shares joined by
+`/`), e.g. `taylor:0.3:3:order=1:back_blocks=1` or `taylor:1e9:order=1:probe_blocks=0:schedule=0/0.075/0.175`; or a
+preset's name (`balanced`, model/sampling/step_cache_presets.json). `--control` writes a random
 Fun ControlNet for the DiT's config into DIR/model_patches (`CONTROLNET_FILE`; `--control-blocks` blocks, default
 one per 2 base blocks as the released 16 per 32, seed 5 as comfyui.py step-cache's) and applies it through
 QI21ControlNetApply at strength 1 over the whole schedule, a toy scene as the map (`control_image`). `--prompts
@@ -435,20 +439,49 @@ s * (N - 1 + K - 1) / (N + K), at 32 + 16 blocks in the last column. `CPU time /
 wall time is not.
 """
 RELEASED_BLOCKS, RELEASED_CONTROL_BLOCKS = 32, 16
+#: the node's widget defaults (T8's), under a setting's own inputs when it is checked
+NODE_DEFAULTS = {name: getattr(StepCacheOptions(), name)
+                 for name in ("threshold", "edit_threshold", "start_percent", "end_percent", "max_skips")}
 CONTROLNET_FILE = "qi21_bench_step_cache_fun_controlnet.safetensors"
 
-def parse_setting(text: str) -> tuple[str, StepCacheOptions]:
-    """`mode[:threshold[:max_skips[:start-end]]]`; without a threshold T8's pair (0.08 t2i, 0.03 edits)."""
-    mode, *rest = text.split(":")
-    options = {"mode": mode}
+#: the node's inputs a setting may give as `name=value` (quality.py step-cache, STEP_CACHE_HELP)
+METHOD_INPUTS = {"order": int, "probe_blocks": int, "back_blocks": int, "full_first": int, "full_every": int,
+                 "full_last": int, "edit_threshold": float, "schedule": lambda v: v.replace("/", ",")}
+
+
+def parse_setting(text: str) -> tuple[str, dict]:
+    """`mode[:threshold[:max_skips[:start-end]]][:name=value ...]` (without a threshold T8's pair, 0.08 t2i, 0.03
+    edits), or a preset's name: the Step Cache node's inputs (its `execute` keywords), checked by building them."""
+    if text in shipped_presets():
+        return text, {"preset": text}
+    positional = [part for part in text.split(":") if "=" not in part]
+    named = [part.split("=", 1) for part in text.split(":") if "=" in part]
+    mode, *rest = positional
+    inputs = {"mode": mode}
     if rest and rest[0]:
-        options["threshold"] = options["edit_threshold"] = float(rest[0])
+        inputs["threshold"] = inputs["edit_threshold"] = float(rest[0])
     if len(rest) > 1 and rest[1]:
-        options["max_skips"] = int(rest[1])
+        inputs["max_skips"] = int(rest[1])
     if len(rest) > 2 and rest[2]:
         start, end = rest[2].split("-")
-        options["start_percent"], options["end_percent"] = float(start), float(end)
-    return text, StepCacheOptions(**options)
+        inputs["start_percent"], inputs["end_percent"] = float(start), float(end)
+    for name, value in named:
+        if name not in METHOD_INPUTS:
+            raise SystemExit(f"setting {text!r}: {name!r} is not one of {', '.join(METHOD_INPUTS)}")
+        inputs[name] = METHOD_INPUTS[name](value)
+    node_inputs = {k: v for k, v in inputs.items() if k != "mode"}
+    method_options(mode, **{**NODE_DEFAULTS, **node_inputs})  # a bad value is refused here, naming the input
+    return text, inputs
+
+
+def released_share_run(step_cache: dict, blocks: int) -> float:
+    """The share of block runs a run's skips would leave at `blocks` blocks (the released 32), from its report: a
+    skipped call runs the probe (and, where it resumed, the back blocks)."""
+    calls = step_cache["run"] + step_cache["skipped"]
+    probe, back = step_cache.get("probe_blocks", 1), step_cache.get("back_blocks", 0)
+    resumed = step_cache.get("back_blocks_ran", 0)
+    saved = resumed * (blocks - probe - back) + (step_cache["skipped"] - resumed) * (blocks - probe)
+    return 1 - saved / (calls * blocks)
 
 
 def cases_from(arg: str, edits: int) -> list[dict]:
@@ -547,8 +580,7 @@ def measure_step_cache(args) -> dict:
     if args.control:  # the exact runs too: every setting is compared with the controlled exact path
         model = attach_control(model, vae, args.models, args.control_blocks, args.size)
     settings = [parse_setting(s) for s in args.settings]
-    copies = {name: QI21StepCache.execute(model, o.mode, o.threshold, o.edit_threshold, o.start_percent,
-                                          o.end_percent, o.max_skips)[0] for name, o in settings}
+    copies = {name: QI21StepCache.execute(model, **inputs)[0] for name, inputs in settings}
     cases = cases_from(args.prompts, args.edits)
     t2i = [case["text"] for case in cases if case["task"] == "t2i"]
     edits = [case for case in cases if case["task"] == "edit"]
@@ -589,12 +621,17 @@ def measure_step_cache(args) -> dict:
             step_cache = report.get("step_cache") or {"run": args.steps, "skipped": 0, "blocks_skipped_share": 0.0,
                                                       "pattern": "F" * args.steps}
             calls = step_cache["run"] + step_cache["skipped"]
+            skipped_share = step_cache["skipped"] / calls
+            if "decide" in step_cache:  # the step methods: their report counts the probe and back blocks
+                done, released = step_cache["blocks_skipped_share"], released_share_run(step_cache, RELEASED_BLOCKS)
+            else:
+                done = block_work_saved(skipped_share, blocks, control_blocks)
+                released = 1 - block_work_saved(skipped_share, RELEASED_BLOCKS,
+                                                RELEASED_CONTROL_BLOCKS if control_blocks else 0)
             rows[(name, task)].append({"psnr": psnr(image, exact), "ssim": ssim(image, exact), "seconds": seconds[0],
                                        "cpu": seconds[1],
                                        "control": step_cache.get("control"),
-                                       "skipped": step_cache["skipped"] / calls,
-                                       "blocks": block_work_saved(step_cache["skipped"] / calls, blocks,
-                                                                  control_blocks),
+                                       "skipped": skipped_share, "blocks": done, "released": released,
                                        "pattern": step_cache["pattern"]})
 
     with_control = "" if not control_blocks else f", with a Fun ControlNet of {control_blocks} blocks"
@@ -617,8 +654,7 @@ def measure_step_cache(args) -> dict:
                  "ssim_mean": statistics.mean(r["ssim"] for r in results), "ssim_min": min(r["ssim"] for r in results),
                  "skipped": skipped, "blocks_skipped": statistics.mean(r["blocks"] for r in results),
                  "time_ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios),
-                 "predicted_32": 1 - block_work_saved(skipped, RELEASED_BLOCKS,
-                                                      RELEASED_CONTROL_BLOCKS if control_blocks else 0),
+                 "predicted_32": statistics.mean(r["released"] for r in results),
                  "patterns": [r["pattern"] for r in results], "control": results[0]["control"]}
         summary[(name, task)] = entry
         print(f"| {name} | {task} | {entry['psnr_mean']:.2f} ({entry['psnr_min']:.2f}) | {entry['ssim_mean']:.4f} "

@@ -1,22 +1,29 @@
 """Our step methods against the peers' caches, on the trained toy (demo/toy), whole prompts, interleaved:
 
-    python benchmarks/step_cache_peers.py [--prompts 14] [--edits 16] [--steps 40] [--threads 1]
+    python benchmarks/step_cache_peers.py [--prompts 14] [--edits 16] [--seed 7] [--steps 40] [--cfg 1] [--passes 3]
+        [--calibrate-cfg 1] [--threads 1]
         [--only LABEL,...] [--no-diffusers | --no-ours] [--task t2i|edit] [--json FILE] [--merge FILE ...]
         [--no-measure] [--plot docs/images/step_cache_curve.png]
         [--turbo]   (the Turbo model, 8 steps: masks instead of schedules, no peers)
         [--schedules FILE]   (write the calibrated schedules, the presets' source; --calibrated FILE reads them)
 
-Cases: the yardstick's draws (quality.py `cases`, seed 7: 14 prompts, then edits with their source scene as the
-reference; `--edits 16` = the yardstick's 6 and 10 more), 40 Base steps, 256 px, cfg 1. Each case runs, in a rotating
-order, the exact path (no step cache) and every setting of `settings()`; a run is the whole prompt: the text (and
-reference) encoded, sampled, decoded. Per setting: PSNR / SSIM of the RGBA picture against the exact one (mean and
-worst), the share of the DiT's block runs done (noise-free work: a skipped step still runs its probe and back blocks),
-and the time over the exact run's (median of the per-case ratios; the machine is shared, so read the block share too).
+Cases (the defaults): the issue's yardstick, its 20 pictures (quality.py `cases`, seed 7: 14 prompts and 6 edits)
+plus 10 more edits with references (`--edits 16`: the same draw's next 10; each edit's reference is its source
+scene), 40 Base steps, 256 px, cfg 1 (`--cfg 4`: true CFG against the empty prompt, ours batched, diffusers' loop
+one call per prompt). None of them calibrates anything (the schedules are chosen on `cases(seed=99)`, below);
+`--seed N` draws other cases, held out from the presets' pick too (made on seed 7's curve).
+Each case runs, in a rotating order, the exact path (no step cache) and every setting of `settings()`, `--passes`
+times (each pass in another rotation; the pictures of the first pass are judged, they are the same each pass); a run
+is the whole prompt: the text (and reference) encoded, sampled, decoded. Per setting: PSNR / SSIM of the RGBA
+picture against the exact one (mean and worst), the share of the DiT's block runs done (noise-free work: a skipped
+step still runs its probe and back blocks), and the time over the exact run's (per case the median over the passes
+of the ratio to the same pass's exact run, then the median over the cases; the machine is shared, so read the block
+share too).
 
 Calibration (DPCache's idea): the full steps of `schedule` settings are chosen on other draws (`cases(seed=99)`, 3
 prompts and 2 edits, never judged) from the exact runs' residuals of every block (input of block 0 to output of the
-last): a dynamic programme over the
-last two full steps picks the K steps that minimise the forecast's (order 1) error summed over the skipped steps,
+last) at cfg 1 (`--calibrate-cfg 4`: runs at cfg 4, both prompts' rows): a dynamic programme over the last two full
+steps picks the K steps that minimise the forecast's (order 1) error summed over the skipped steps,
 each weighted by its step in sigma.
 
 Peers: diffusers 0.42.1's FirstBlockCache, TaylorSeer, SeaCache and MagCache (calibrated once on a calibration
@@ -50,21 +57,21 @@ from qi21.model.sampling.step_cache import StepCacheOptions
 from quality import cases  # the same draws as the step cache's yardstick
 
 STATIC = 1e9  # a threshold no indicator reaches: the mask or the schedule alone decides
-BUDGETS = (4, 5, 6, 8, 13)  # full steps of 40 the calibrated schedules may run
+BUDGETS = (4, 5, 6, 8, 13, 16, 20, 24)  # full steps of 40 the calibrated schedules may run
 
 
 # -- calibration ---------------------------------------------------------------------------------------------------
-def residuals_of(pipe: ToyPipeline, prompt, references, seed: int, steps: int) -> list[torch.Tensor]:
+def residuals_of(pipe: ToyPipeline, prompt, references, seed: int, steps: int, cfg: float = 1.0) -> list[torch.Tensor]:
     """The exact run's residual of every block on the target rows, per step (fp32): what a skipped step of a
-    schedule without a probe block (probe_blocks 0) forecasts."""
+    schedule without a probe block (probe_blocks 0) forecasts. cfg > 1: both prompts' rows (one batched call)."""
     model, before, after = pipe.dit(), [], []
-    tokens = (SIZE // 16) ** 2
+    tokens = (SIZE // 16) ** 2 * (2 if cfg > 1 else 1)
     hooks = [model.blocks[0].register_forward_pre_hook(  # a copy: the blocks change their buffer in place
                  lambda module, args: before.append(args[0][-tokens:].float().clone())),
              model.blocks[-1].register_forward_hook(
                  lambda module, args, out: after.append(out[-tokens:].float().clone()))]
     try:
-        pipe.generate(prompt, seed, references, steps=steps)
+        pipe.generate(prompt, seed, references, steps=steps, cfg=cfg, negative="" if cfg > 1 else None)
     finally:
         for hook in hooks:
             hook.remove()
@@ -144,6 +151,11 @@ def settings(schedules: dict[int, list[int]], steps: int) -> list[tuple[str, str
         ("cache-dit DBCache F1B0 W8 R0.12 + TaylorSeer O1 (rule, ours)", "rule",
          o(threshold=0.12, edit_threshold=0.12, start_percent=warmup, end_percent=1.0, max_skips=steps, **taylor1)),
         ("diffusers TaylorSeer interval 5 O1 (rule, ours)", "rule", mask(3, 5, 0, probe_blocks=0, **taylor1)),
+        # near-exact with a smaller threshold for edits (their worst case was an edit)
+        ("DBCache R0.12 O1, edits 0.06", "ours",
+         o(threshold=0.12, edit_threshold=0.06, start_percent=warmup, end_percent=1.0, max_skips=steps, **taylor1)),
+        ("DBCache R0.12 O1, edits 0.04", "ours",
+         o(threshold=0.12, edit_threshold=0.04, start_percent=warmup, end_percent=1.0, max_skips=steps, **taylor1)),
     ]
     return out
 
@@ -162,20 +174,23 @@ def turbo_settings() -> list[tuple[str, str, StepCacheOptions]]:
 
 
 # -- the measurement -------------------------------------------------------------------------------------------------
-def whole_prompt(pipe, prompt, source, seed, steps, turbo=False, **options):
-    """Encode (the reference too), sample, decode: (RGBA image, report, seconds); `turbo`: the Turbo model."""
+def whole_prompt(pipe, prompt, source, seed, steps, turbo=False, cfg=1.0, **options):
+    """Encode (the reference too), sample, decode: (RGBA image, report, seconds); `turbo`: the Turbo model; cfg > 1:
+    true CFG against the empty prompt."""
     started = time.perf_counter()
     references = (pipe.reference(source.render()),) if source is not None else ()
-    images, report = pipe.generate(prompt, seed, references, steps=steps, turbo=turbo, **options)
+    images, report = pipe.generate(prompt, seed, references, steps=steps, turbo=turbo, cfg=cfg,
+                                   negative="" if cfg > 1 else None, **options)
     return images[0], report, time.perf_counter() - started
 
 
-def diffusers_prompt(pipe, transformer, prompt, source, seed, steps):
+def diffusers_prompt(pipe, transformer, prompt, source, seed, steps, cfg=1.0):
     started = time.perf_counter()
     references = (pipe.reference(source.render()),) if source is not None else ()
     cond = pipe.condition(prompt, references)
+    negative = pipe.condition("", references) if cfg > 1 else None
     with torch.no_grad():
-        latents = peers.denoise(transformer, cond, initial_noise(seed, 1, SIZE, SIZE), steps)
+        latents = peers.denoise(transformer, cond, initial_noise(seed, 1, SIZE, SIZE), steps, negative, cfg)
         image = decode_images(pipe.vae, cond.latent_format.denormalize(latents.float()))[2][0]
     return image, time.perf_counter() - started
 
@@ -200,72 +215,88 @@ def measure(args) -> list[dict]:
             elif args.calibrated:  # an earlier run's schedules (the same draws and steps give the same ones)
                 schedules = {int(k): v for k, v in json.loads(Path(args.calibrated).read_text())["full_steps"].items()}
             else:
-                runs = [residuals_of(pipe, p, (pipe.reference(s.render()),) if s else (), seed, args.steps)
-                        for p, s, seed in calibration]
+                runs = [residuals_of(pipe, p, (pipe.reference(s.render()),) if s else (), seed, args.steps,
+                                     args.calibrate_cfg) for p, s, seed in calibration]
                 schedules = calibrate(runs, sigmas)
             print("calibrated schedules (full steps, 0-based):", json.dumps(schedules), flush=True)
             if args.schedules:
                 Path(args.schedules).write_text(json.dumps({"steps": args.steps, "full_steps": schedules}, indent=1))
             chosen = [s for s in (turbo_settings() if args.turbo else settings(schedules, args.steps))
                       if not args.only or any(w in s[0] for w in args.only.split(","))]
+            if args.calibrate_cfg != 1:  # the schedules' labels say so (the presets are calibrated at cfg 1)
+                chosen = [(f"{label}, calibrated at cfg {args.calibrate_cfg:g}" if label.startswith("schedule")
+                           else label, kind, options) for label, kind, options in chosen]
         transformer = diffusers_configs = None
         if not args.no_diffusers:
             peers.register_block()
             transformer = peers.load_transformer(models)
             p, s, seed = calibration[0]
-            cond = pipe.condition(p)
-            ratios = peers.calibrate_mag_ratios(transformer, cond, initial_noise(seed, 1, SIZE, SIZE), args.steps)
+            negative = pipe.condition("") if args.cfg > 1 else None
+            ratios = peers.calibrate_mag_ratios(transformer, pipe.condition(p), initial_noise(seed, 1, SIZE, SIZE),
+                                                args.steps, negative, args.cfg)
             diffusers_configs = peers.peer_configs(ratios)
             if args.only:
                 diffusers_configs = {k: v for k, v in diffusers_configs.items()
                                      if any(w in k for w in args.only.split(","))}
             print("cache-dit:", peers.try_cache_dit(models), flush=True)
-        for number, (prompt, source, seed) in enumerate(cases(7, args.prompts, args.edits)):
+        for number, (prompt, source, seed) in enumerate(cases(args.seed, args.prompts, args.edits)):
             task = "edit" if source is not None else "t2i"
             if args.task not in ("all", task):
                 continue
-            order = list(range(len(chosen) + 1))
-            rotation = number % len(order)
-            order = order[rotation:] + order[:rotation]  # a rotating order: no setting always runs first
-            order = order if chosen else []
-            exact = None
-            results = {}
-            for index in order:
-                if index == len(chosen):
-                    exact = whole_prompt(pipe, prompt, source, seed, args.steps, args.turbo)
-                    continue
-                label, kind, options = chosen[index]
-                results[index] = whole_prompt(pipe, prompt, source, seed, args.steps, args.turbo,
-                                              step_cache=options)
-            for index, (image, report, seconds) in results.items():
-                label, kind, options = chosen[index]
-                sc = report.get("step_cache", {})
-                rows.append(row(label, kind, task, image, exact[0], seconds, exact[2],
-                                1 - sc.get("blocks_skipped_share", 0.0), sc.get("pattern")))
+            if chosen:
+                def ours(index, case=(prompt, source, seed)):  # index len(chosen): the exact path
+                    options = {} if index == len(chosen) else {"step_cache": chosen[index][2]}
+                    return whole_prompt(pipe, *case, args.steps, args.turbo, args.cfg, **options)
+
+                got = interleaved(ours, list(range(len(chosen) + 1)), number, args.passes)
+                image_exact, _, _ = got[len(chosen)][0]
+                for index in range(len(chosen)):
+                    label, kind, options = chosen[index]
+                    image, report, _ = got[index][0]
+                    sc = report.get("step_cache", {})
+                    rows.append(row(label, kind, task, image, image_exact, pass_ratio(got, index, len(chosen)),
+                                    1 - sc.get("blocks_skipped_share", 0.0), sc.get("pattern"), args.cfg))
             if transformer is not None:
-                names = list(diffusers_configs) + [None]
-                names = names[number % len(names):] + names[:number % len(names)]
-                got = {}
-                for name in names:
+                def peer(name, case=(prompt, source, seed)):  # None: diffusers' loop without a cache
                     if name is not None:
                         transformer.enable_cache(diffusers_configs[name]())
                     try:
-                        got[name] = diffusers_prompt(pipe, transformer, prompt, source, seed, args.steps)
+                        image, seconds = diffusers_prompt(pipe, transformer, *case, args.steps, args.cfg)
+                        return image, None, seconds
                     finally:
                         if name is not None:
                             transformer.disable_cache()
-                for name, (image, seconds) in got.items():
-                    if name is not None:
-                        rows.append(row(name, "peer", task, image, got[None][0], seconds, got[None][1], None, None))
+
+                got = interleaved(peer, list(diffusers_configs) + [None], number, args.passes)
+                for name in diffusers_configs:
+                    rows.append(row(name, "peer", task, got[name][0][0], got[None][0][0],
+                                    pass_ratio(got, name, None), None, None, args.cfg))
             print(f"case {number} ({task}) done", flush=True)
             if args.json:  # after every case: a run stopped early keeps what it measured
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
 
 
-def row(label, kind, task, image, exact, seconds, exact_seconds, blocks_run, pattern) -> dict:
+def interleaved(run, keys: list, number: int, passes: int) -> dict:
+    """`run(key)` -> (image, report, seconds) for every key, `passes` times: each pass in a rotating order (case
+    `number`, pass p starts at key number + p), so no setting always runs first or after the same one. key ->
+    the results of each pass."""
+    got = {key: [] for key in keys}
+    for p in range(passes):
+        start = (number + p) % len(keys)
+        for key in keys[start:] + keys[:start]:
+            got[key].append(run(key))
+    return got
+
+
+def pass_ratio(got: dict, key, exact_key) -> float:
+    """The median over the passes of a setting's time over the same pass's exact run."""
+    return statistics.median(mine[2] / exact[2] for mine, exact in zip(got[key], got[exact_key]))
+
+
+def row(label, kind, task, image, exact, ratio, blocks_run, pattern, cfg=1.0) -> dict:
     return {"setting": label, "kind": kind, "task": task, "psnr": psnr(image, exact), "ssim": ssim(image, exact),
-            "ratio": seconds / exact_seconds, "blocks_run": blocks_run, "pattern": pattern}
+            "ratio": ratio, "blocks_run": blocks_run, "pattern": pattern, "cfg": cfg}
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -320,6 +351,13 @@ def main(argv=None):
     parser.add_argument("--prompts", type=int, default=14)
     parser.add_argument("--edits", type=int, default=16)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--cfg", type=float, default=1.0, help="true CFG against the empty prompt (1: none)")
+    parser.add_argument("--seed", type=int, default=7,
+                        help="the draw of the judged cases (7: the yardstick's; another: fresh held-out cases)")
+    parser.add_argument("--calibrate-cfg", type=float, default=1.0,
+                        help="the cfg of the calibration runs (the presets': 1)")
+    parser.add_argument("--passes", type=int, default=3,
+                        help="interleaved passes per case; its time ratio is the median over them")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", default="", help="comma list of setting labels (substrings) to run")
     parser.add_argument("--no-diffusers", action="store_true", help="ours only (no diffusers / cache-dit peers)")
@@ -340,12 +378,16 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(rows, indent=1))
     for file in args.merge:
         rows += json.loads(Path(file).read_text())
+    if len({r.get("cfg", 1.0) for r in rows}) > 1:
+        raise SystemExit("--merge: these rows were measured at different cfg; summarise each cfg apart")
     summary = summarise(rows)
     print_table(summary)
     print()
     print_compact(summary)
     if args.plot:
-        draw_curve([s for s in summary if s["task"] == "all"], Path(args.plot))
+        cfgs = sorted({r.get("cfg", 1.0) for r in rows})
+        draw_curve([s for s in summary if s["task"] == "all"], Path(args.plot),
+                   "cfg " + ", ".join(f"{c:g}" for c in cfgs))
     return summary
 
 

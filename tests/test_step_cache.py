@@ -346,7 +346,8 @@ def test_the_benchmark_measures_exact_as_exact_through_the_nodes(benchmark_scrip
     bench = benchmark_script("quality")
     try:
         summary = bench.main(["step-cache", "--models", str(tiny_models["root"]), "--prompts", "1", "--edits", "1",
-                              "--steps", "10", "--size", "128", "--settings", "t8:0", "t8:1"])
+                              "--steps", "10", "--size", "128", "--settings", "t8:0", "t8:1", "fast",
+                              "taylor:1:order=1:probe_blocks=0:full_first=2:full_every=3"])
     finally:
         from qi21.nodes import bridge
 
@@ -356,6 +357,10 @@ def test_the_benchmark_measures_exact_as_exact_through_the_nodes(benchmark_scrip
         assert exact["psnr_min"] == float("inf") and exact["ssim_min"] == 1.0 and exact["skipped"] == 0
     skipping = summary[("t8:1", "t2i")]
     assert skipping["skipped"] > 0 and skipping["psnr_mean"] < float("inf") and skipping["patterns"][0][:2] == "FF"
+    masked = summary[("taylor:1:order=1:probe_blocks=0:full_first=2:full_every=3", "t2i")]
+    assert masked["patterns"][0] == "FFFSSFSSFS"  # steps 0, 1, then 2, 5, 8 (every 3rd); no probe: the rest skip
+    assert masked["blocks_skipped"] == pytest.approx(0.6)  # 6 of 10 steps ran no block of the tiny DiT's 2
+    assert summary[("fast", "edit")]["skipped"] > 0  # a preset by name
 
 
 def test_the_benchmark_runs_with_the_fun_controlnet(benchmark_script, tiny_models):

@@ -289,7 +289,34 @@ def test_the_nodes_preset_replaces_its_widgets_and_custom_keeps_saved_workflows(
         assert options_of(QI21StepCache.execute(model, "off", preset=name)[0]).step_cache == options
     assert "preset" in QI21StepCache.validate_inputs(preset="fastest")
     inputs = [spec.id for spec in QI21StepCache.define_schema().inputs]
-    assert inputs[-2:] == ["control", "preset"], "appended: saved workflows keep their widgets' order"
+    assert inputs[7:9] == ["control", "preset"], "appended: saved workflows keep their widgets' order"
+
+
+def test_every_step_method_is_reachable_from_the_nodes_inputs(model):
+    from qi21.model.options import options_of
+    from qi21.nodes.step_cache import NODE_MODES, QI21StepCache
+
+    assert "taylor" in NODE_MODES
+    widgets = ("t8", 0.08, 0.03, 0.1, 0.85, 2, "reuse", "custom")
+
+    def options(*args, **kwargs):
+        return options_of(QI21StepCache.execute(model, *args, **kwargs)[0]).step_cache
+
+    assert options(*widgets) == StepCacheOptions()  # the new inputs' defaults are T8's rule
+    assert options("taylor", 0.3, 0.3, 0.1, 0.85, 3, order=1, back_blocks=1) == StepCacheOptions(
+        "taylor", 0.3, 0.3, 0.1, 0.85, 3, order=1, back_blocks=1)
+    assert options("taylor", 1.0, 1.0, 0.1, 0.85, 2, order=1, probe_blocks=0, full_first=3, full_every=6,
+                   full_last=1) == StepCacheOptions("taylor", 1.0, 1.0, 0.1, 0.85, 2, order=1, probe_blocks=0,
+                                                    decide="mask", full_first=3, full_every=6, full_last=1)
+    assert options("taylor", 1.0, 1.0, 0.1, 0.85, 2, order=1, probe_blocks=0, schedule="0, 0.075; 0.5") == \
+        StepCacheOptions("taylor", 1.0, 1.0, 0.1, 0.85, 2, order=1, probe_blocks=0, decide="schedule",
+                         schedule=(0.0, 0.075, 0.5))
+    assert "not a number" in QI21StepCache.validate_inputs(schedule="0, half")
+    assert "[0, 1)" in QI21StepCache.validate_inputs(schedule="0, 1.5")
+    with pytest.raises(ValueError, match="two ways"):
+        QI21StepCache.execute(model, "taylor", 1.0, 1.0, 0.1, 0.85, 2, probe_blocks=0, full_first=2, schedule="0.5")
+    with pytest.raises(ValueError, match="probe_blocks 0"):  # no probe needs a mask or a schedule
+        QI21StepCache.execute(model, "taylor", 0.1, 0.1, 0.1, 0.85, 2, probe_blocks=0)
 
 
 def test_the_calibration_puts_a_full_step_where_the_residual_jumps(benchmark_script):

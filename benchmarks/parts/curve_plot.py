@@ -48,8 +48,9 @@ def _panel(draw, left, top, points, title, x_range):
         draw.text((px + 5, py - 12), str(number), fill=colour)
 
 
-def draw_curve(summary: list[dict], path: Path) -> None:
-    """`summary`: the benchmark's rows of task "all" (setting, kind, psnr_mean, time_ratio, blocks_run)."""
+def draw_curve(summary: list[dict], path: Path, title: str = "") -> None:
+    """`summary`: the benchmark's rows of task "all" (setting, kind, psnr_mean, time_ratio, blocks_run); `title`
+    goes before each panel's (e.g. the cfg)."""
     timed = [(n + 1, 1 / s["time_ratio"], s["psnr_mean"], s["kind"]) for n, s in enumerate(summary)]
     worked = [(n + 1, 1 / s["blocks_run"], s["psnr_mean"], s["kind"]) for n, s in enumerate(summary)
               if s["blocks_run"]]
@@ -59,8 +60,9 @@ def draw_curve(summary: list[dict], path: Path) -> None:
     legend_h = 14 * math.ceil(len(summary) / 2) + 40
     image = Image.new("RGB", (2 * PANEL_W, PANEL_H + legend_h), "white")
     draw = ImageDraw.Draw(image)
-    _panel(draw, 0, 0, timed, "speed-up, measured time (whole prompt, median)", x_range(timed))
-    _panel(draw, PANEL_W, 0, worked, "speed-up of block work (1 / share of block runs)", x_range(worked))
+    prefix = f"{title}: " if title else ""
+    _panel(draw, 0, 0, timed, prefix + "speed-up, measured time (whole prompt, median)", x_range(timed))
+    _panel(draw, PANEL_W, 0, worked, prefix + "speed-up of block work (1 / share of block runs)", x_range(worked))
     y = PANEL_H + 4
     draw.text((10, y), "blue: ours   orange: a peer's rule run as ours   red: the peer itself (diffusers, vs its "
                        "own loop without a cache)   lines: 35 and 40 dB", fill=(0, 0, 0))

@@ -64,8 +64,10 @@ def peer_configs(calibrated_mag_ratios=None) -> dict:
     return configs
 
 
-def denoise(transformer, cond, noise, steps: int) -> torch.Tensor:
-    """The Base pipeline's loop over `steps` sigmas (no KV cache), `(1, 64, h, w)` latents."""
+def denoise(transformer, cond, noise, steps: int, negative=None, cfg: float = 1.0) -> torch.Tensor:
+    """The Base pipeline's loop over `steps` sigmas (no KV cache), `(1, 64, h, w)` latents; with `negative` and cfg
+    > 1 true CFG as the pipeline does it: a second call per step in its own cache context ("uncond"), so each cache
+    keeps one state per prompt."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     batch, _, height, width = noise.shape
@@ -77,27 +79,36 @@ def denoise(transformer, cond, noise, steps: int) -> torch.Tensor:
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / steps, steps), mu=mu)
     latents = noise.flatten(2).transpose(1, 2)
     img_shapes = [[(1, h, w) for h, w in cond.ref_shapes] + [(1, height, width)]] * batch
-    mask = torch.cat([cond.image_slots, torch.ones(tokens // 4, dtype=torch.bool)])[None].expand(batch, -1)
-    text = cond.text[None].expand(batch, -1, -1)
+
+    def branch(c):
+        mask = torch.cat([c.image_slots, torch.ones(tokens // 4, dtype=torch.bool)])[None].expand(batch, -1)
+        return dict(encoder_hidden_states=c.text[None].expand(batch, -1, -1), img_mask=mask, img_shapes=img_shapes)
+
+    branches = [("cond", branch(cond))] + ([("uncond", branch(negative))] if negative is not None and cfg > 1 else [])
     for i, t in enumerate(scheduler.timesteps):
         x = latents if cond.references is None else torch.cat([cond.references[None].expand(batch, -1, -1),
                                                                latents], 1)
-        with transformer.cache_context("cond", step_index=i, sigma=scheduler.sigmas[i], num_inference_steps=steps):
-            out = transformer(hidden_states=x, timestep=t.expand(batch).to(x.dtype) / 1000, return_dict=False,
-                              encoder_hidden_states=text, img_mask=mask, img_shapes=img_shapes)[0]
-        latents = scheduler.step(out[:, -tokens:], t, latents, return_dict=False)[0]
+        preds = []
+        for name, kwargs in branches:
+            with transformer.cache_context(name, step_index=i, sigma=scheduler.sigmas[i], num_inference_steps=steps):
+                out = transformer(hidden_states=x, timestep=t.expand(batch).to(x.dtype) / 1000, return_dict=False,
+                                  **kwargs)[0]
+            preds.append(out[:, -tokens:])
+        v = preds[0] if len(preds) == 1 else preds[1] + cfg * (preds[0] - preds[1])
+        latents = scheduler.step(v, t, latents, return_dict=False)[0]
     return latents.transpose(1, 2).reshape(batch, 64, height, width)
 
 
-def calibrate_mag_ratios(transformer, cond, noise, steps: int) -> list:
-    """MagCache's own calibration (calibrate=True, one run, no step skipped): the ratios it prints at the end."""
+def calibrate_mag_ratios(transformer, cond, noise, steps: int, negative=None, cfg: float = 1.0) -> list:
+    """MagCache's own calibration (calibrate=True, one run, no step skipped): the ratios it prints at the end (with
+    CFG, the last prompt's: one list for both, as the config takes one)."""
     from diffusers.hooks import MagCacheConfig
 
     printed = io.StringIO()
     transformer.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=steps))
     try:
         with torch.no_grad(), contextlib.redirect_stdout(printed):
-            denoise(transformer, cond, noise, steps)
+            denoise(transformer, cond, noise, steps, negative, cfg)
     finally:
         transformer.disable_cache()
     lists = [line.strip() for line in printed.getvalue().splitlines() if line.strip().startswith("[")]

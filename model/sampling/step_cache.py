@@ -69,7 +69,7 @@ class StepCacheOptions:
     # -- the step methods (model/sampling/step_methods.py); the defaults are T8's rule above -----------------------
     probe_blocks: int = 1  # the indicator reads the output of the first n blocks (0: none, a mask or schedule)
     back_blocks: int = 0  # a skipped step still runs the last m blocks (DBCache's front/back split; cached steps)
-    order: int = 2  # mode "taylor": the forecast's order; t8 replays (0), extrapolate is order 1
+    order: int = 1  # mode "taylor": the forecast's order (1: what every preset uses); t8 replays (0), extrapolate is 1
     decide: str = "indicator"
     full_first: int = 0  # decide "mask": the first k steps always run in full,
     full_every: int = 0  # and every j-th step after them (0: none),
