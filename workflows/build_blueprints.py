@@ -10,8 +10,8 @@ UI workflow whose one node is an instance of the subgraph in `definitions.subgra
 Each blueprint is built from the UI workflow in `workflows/` (itself written by build_workflows.py), not from a
 second description of the graph: the nodes keep their ids, widget values and download entries; the note, Save
 Image and Load Image go; Load Image's IMAGE and MASK become the subgraph's `image` and `mask` inputs, the decoded
-IMAGE its output; the prompt, the model files and a few sampler settings become widgets on the node (subgraph
-inputs linked to the inner widgets), the seed a promoted widget. Output is deterministic: same workflows, same bytes.
+IMAGE its output; the prompt, a few sampler settings, the seed and the model files become widgets on the node
+(subgraph inputs linked to the inner widgets). Output is deterministic: same workflows, same bytes.
 """
 
 import argparse
@@ -118,6 +118,7 @@ def build(blueprint: Blueprint, workflow: dict) -> dict:
     inputs = [(slot_name, io_type, [link_id]) for slot_name, io_type, link_id in boundary["in"]]
     next_link = max(link[0] for link in workflow["links"]) + 1
     sampler = next(n["type"] for n in nodes if n["type"] in SAMPLERS)
+    values = {}  # widget input -> the inner widget's value, which the node shows
     for node_type, widget in [*blueprint.widgets, (sampler, "seed"), *MODEL_FILES]:
         node = _one(nodes, node_type, name)
         entry = node["inputs"][_slot(node, widget)]
@@ -127,6 +128,7 @@ def build(blueprint: Blueprint, workflow: dict) -> dict:
         links.append({"id": next_link, "origin_id": -10, "origin_slot": len(inputs), "target_id": node["id"],
                       "target_slot": _slot(node, widget), "type": entry["type"]})
         inputs.append((widget, entry["type"], [next_link]))
+        values[widget] = _value(node, widget)
         next_link += 1
     for index, (_, _, link_ids) in enumerate(inputs):
         for link in links:
@@ -137,12 +139,10 @@ def build(blueprint: Blueprint, workflow: dict) -> dict:
         if link["id"] == out_link:
             link["target_id"], link["target_slot"] = -20, 0
 
-    widget_inputs = [slot_name for slot_name, io_type, _ in inputs if slot_name not in ("image", "mask")]
-    # the node's widgets are its widget inputs ("-1": the subgraph's own); a promoted inner widget (the seed's
-    # control_after_generate) has no input slot, and front ends since 1.4x set such a promotion aside with a warning
+    widget_inputs = list(values)
+    # the node's widgets are its widget inputs ("-1": the subgraph's own); a promoted inner widget with no input slot
+    # (the seed's control_after_generate) is set aside by the 1.49 front end with a warning, so there is none
     proxies = [["-1", w] for w in widget_inputs]
-    inner_value = {w: next(_value(n, w) for n in nodes if any(i["name"] == w for i in n["inputs"]))
-                   for w in widget_inputs}
 
     left = min(n["pos"][0] for n in nodes) - 320
     top = min(n["pos"][1] for n in nodes)
@@ -176,7 +176,7 @@ def build(blueprint: Blueprint, workflow: dict) -> dict:
                    for slot_name, io_type, _ in inputs],
         "outputs": [{"localized_name": out_type, "name": out_type, "type": out_type, "links": None}],
         "properties": {"proxyWidgets": proxies},
-        "widgets_values": [inner_value[w] if node == "-1" else None for node, w in proxies],
+        "widgets_values": [values[w] for w in widget_inputs],
     }
     return {"id": _uuid(name), "revision": 0, "last_node_id": outer_id, "last_link_id": next_link - 1,
             "nodes": [outer], "links": [], "groups": [], "config": {},
