@@ -13,8 +13,9 @@ random point (`/interrupt` with their prompt id), `/free` with and without unloa
 - the kept store (ceiling set through ComfyUI's settings route, as the settings panel does) never held more than
   its ceiling, evicted to stay under it, and held nothing after the final `/free`.
 
-Runs with QI21_COMFYUI set (see tests/test_comfyui_server.py), marked slow. QI21_SOAK_PROMPTS sets the prompt count
-(default 300; the figures in docs/measurements.md say which count was run), QI21_SOAK_SEED the mix.
+Runs with QI21_COMFYUI set (see tests/test_comfyui_server.py) and QI21_SOAK_PROMPTS, the prompt count, set too (300
+is the count docs/measurements.md reports; it takes about 11 minutes on a 2-core CPU, so CI, which starts a real
+ComfyUI for the other server tests, leaves it out); marked slow. QI21_SOAK_SEED sets the mix.
 """
 
 import json
@@ -34,7 +35,10 @@ import soak_fixtures as soak
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = int(os.environ.get("QI21_SOAK_PROMPTS", "300"))
+PROMPTS = int(os.environ.get("QI21_SOAK_PROMPTS", "0"))
+if PROMPTS <= 0:
+    pytest.skip("the soak runs when QI21_SOAK_PROMPTS is set (e.g. 300, about 11 minutes on a 2-core CPU)",
+                allow_module_level=True)
 SEED = int(os.environ.get("QI21_SOAK_SEED", "34"))
 CLIENTS = 4
 BASELINE = 10  # prompts before the memory baseline (no interrupt or free among them)
