@@ -387,7 +387,7 @@ def main(argv=None):
     if args.plot:
         cfgs = sorted({r.get("cfg", 1.0) for r in rows})
         draw_curve([s for s in summary if s["task"] == "all"], Path(args.plot),
-                   "cfg " + ", ".join(f"{c:g}" for c in cfgs))
+                   ("Turbo, " if args.turbo else "") + "cfg " + ", ".join(f"{c:g}" for c in cfgs))
     return summary
 
 

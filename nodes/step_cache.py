@@ -45,10 +45,11 @@ NODE_MODES = ("t8", "extrapolate", "taylor", "off")
 #: replaces all of them (model/sampling/step_cache_presets.json, chosen from docs/images/step_cache_curve.png).
 CUSTOM = "custom"
 PRESET_TOOLTIP = ("custom: the other inputs. A preset replaces every other input with a complete setting measured "
-                  "on the trained toy (docs/step-cache.md). near-exact / balanced / fast: 24 / 8 / 5 full steps of "
-                  "40 from a schedule calibrated offline; the other steps run no block and forecast the DiT's change "
-                  "(1.5x / 2.7x / 3.5x, 63 / 47 / 41 dB there at cfg 1; lower at cfg 4). A toy's numbers rank the "
-                  "settings; they bound nothing about the real model.")
+                  "on the trained toy (docs/step-cache.md). near-exact: cache-dit's DBCache rule with a first-order "
+                  "forecast, 0.06 for edits (1.2x, 66 dB there at cfg 1). balanced / fast: 8 / 5 full steps of a "
+                  "schedule calibrated offline at cfg 1; the other steps run no block and forecast the DiT's change "
+                  "(2.7x / 3.5x, 47 / 41 dB there at cfg 1; far lower at cfg 4). A toy's numbers rank the settings; "
+                  "they bound nothing about the real model.")
 ORDER_TOOLTIP = ("mode taylor only: the forecast's order, 1 (a line through the last two full steps' changes) or 2 "
                  "(a parabola through the last three). The presets use 1.")
 PROBE_TOOLTIP = ("The first blocks whose change decides a skip and that always run (1 = T8's block 0). 0: no probe, "
