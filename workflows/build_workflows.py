@@ -134,8 +134,10 @@ def edit_three_references(g: Graph) -> None:
 Chain *Reference* nodes (`references` -> `references`): they become `<image1>`, `<image2>`, `<image3>`
 in chain order (up to 10). Only the last one goes into *Text Encode*. Width and height 0 follow the last
 reference. The prefix cache pays off most here: the references are computed once, not every step.
-Replace `example_1.png`..`example_3.png` with your own images.
-""", (0, 660), (380, 320))
+Replace `example_1.png`..`example_3.png` with your own images. The toy trained here (demo/) learnt
+one-reference edits only, so on it this graph runs but does not follow the instruction (`drew: n/a`);
+the real model composes the references.
+""", (0, 660), (380, 360))
 
 
 def transparent_rgba_png(g: Graph) -> None:

@@ -142,7 +142,9 @@ def official_image_edit(g: Graph) -> None:
         title="image edit", template="image_edit", files=f"`{INT8_MODEL}`, `{INT8_TEXT_ENCODER}`",
         settings="25 steps, cfg 1, euler, references at their own size (resolution 0)", pe=PE_I2I,
         difference=BASE_DIFFERENCE + " The output follows the last reference's size (width/height 0); the prompt "
-                   "enhancer sees the images as one batch (core Batch Images, resized to the first)."),
+                   "enhancer sees the images as one batch (core Batch Images, resized to the first). The toy trained "
+                   "here (demo/) learnt one-reference edits only: on it this graph runs without following the "
+                   "instruction; the real model composes both references."),
         (0, 660), (400, 460))
 
 
