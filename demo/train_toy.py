@@ -102,8 +102,9 @@ RECIPE = dict(vae_steps=900, vae_images=1200, t2i=2400, two_shape=500, edits=150
               edit_share1=0.45, dit2_steps=780, dit2_lr=8e-4, edit_share2=0.5, turbo_paths=96, turbo_steps=100,
               batch=8)
 #: A few steps of every phase, with every switch of `RECIPE` on (the determinism test and `--check`'s test run it).
-QUICK = dict(RECIPE, vae_steps=3, vae_images=8, t2i=12, two_shape=4, edits=6, dit1_steps=3, dit1_lr=1.5e-3,
-             dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, batch=2, edit_share1=0.5)
+#: Its data and teacher paths are as small as still feed every phase (the test trains it three times).
+QUICK = dict(RECIPE, vae_steps=3, vae_images=8, t2i=4, two_shape=2, edits=4, dit1_steps=3, dit1_lr=1.5e-3,
+             dit2_steps=2, dit2_lr=1e-3, turbo_paths=2, turbo_steps=2, teacher_substeps=1, batch=2, edit_share1=0.5)
 RECIPES = {"moreedits": RECIPE, "quick": QUICK}
 HIGH_SIGMAS = (0.85, 1.0)
 #: The DiT's compute dtype (`--precision`): fp32 unless bf16 is asked for (fast only where the CPU has it natively).
@@ -428,9 +429,10 @@ def train_dit(data, null, sizes: dict, log, checkpoint=None, stage: int = 1, sta
 
 # -- 4. Turbo --------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def teacher_paths(teacher, data, null, count: int, batch: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple]:
-    """Base's Euler trajectories through the stored sigmas (5 substeps per interval, 10 in the last, which ends
-    at 0): `(conditioning, x at each stored sigma + the end)`."""
+def teacher_paths(teacher, data, null, count: int, batch: int, dtype: torch.dtype = torch.bfloat16,
+                  substeps: int = 5) -> list[tuple]:
+    """Base's Euler trajectories through the stored sigmas (`substeps` per interval, twice as many in the last,
+    which ends at 0): `(conditioning, x at each stored sigma + the end)`."""
     generator = torch.Generator().manual_seed(4)
     sigmas = list(TURBO_SIGMAS) + [0.0]
     paths = []
@@ -440,7 +442,7 @@ def teacher_paths(teacher, data, null, count: int, batch: int, dtype: torch.dtyp
         x = torch.randn(batch, GRID[0] * GRID[1], 64, generator=generator)
         points = [x]
         for hi, lo in zip(sigmas[:-1], sigmas[1:]):
-            sub = 10 if lo == 0 else 5
+            sub = 2 * substeps if lo == 0 else substeps
             for k in range(sub):
                 s, s_next = hi + (lo - hi) * k / sub, hi + (lo - hi) * (k + 1) / sub
                 v = velocity(teacher, x, torch.full((batch,), s), conditions, dtype)
@@ -544,7 +546,9 @@ def train(out: Path, recipe: str = "moreedits", log=print, resume: Path | None =
     save_file(dit_to_diffusers(bf16_copy(base)), out / BASE_FILE)
     timings["dit2_s"] = time.perf_counter() - started - sum(timings.values())
 
-    paths = teacher_paths(base, data, null, sizes["turbo_paths"], sizes["batch"], dtype) if sizes["turbo_steps"] else []
+    paths = (teacher_paths(base, data, null, sizes["turbo_paths"], sizes["batch"], dtype,
+                           sizes.get("teacher_substeps", 5))  # RECIPE: 5, as the committed log records it
+             if sizes["turbo_steps"] else [])
     turbo, turbo_loss = train_turbo(base, paths, sizes["turbo_steps"], sizes["batch"], log, dtype)
     timings["turbo_s"] = time.perf_counter() - started - sum(timings.values())
 

@@ -68,6 +68,16 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return write_tiny_checkpoints(tmp_path_factory.mktemp("tiny_models"))
 
 
+@pytest.fixture(scope="session")
+def toy_models(tmp_path_factory) -> dict[str, Path]:
+    """The trained toy (demo/toy/) in every real file layout, each DiT file declaring what it was trained for
+    (demo/toy_model.py `write_toy_checkpoints`), written once per run: the same keys as `tiny_models`. Shared by every
+    module that runs the toy, so never written to."""
+    from qi21.demo.toy_model import write_toy_checkpoints
+
+    return write_toy_checkpoints(tmp_path_factory.mktemp("toy_models"))
+
+
 @pytest.fixture(scope="module")
 def models_root(tiny_models) -> Path:
     """The tiny set as the loaders' models folder for one module (reset afterwards)."""

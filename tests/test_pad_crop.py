@@ -241,11 +241,9 @@ def shape_centre(rgba) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
+def toy(toy_models):
     from qi21.demo.toy_eval import ToyPipeline
-    root = tmp_path_factory.mktemp("toy")
-    toy_model.write_toy_checkpoints(root)
-    return ToyPipeline(root)
+    return ToyPipeline(toy_models["root"])
 
 
 def toy_edit(toy, fit, seed=0, steps=20, centre=(90, 80)):

@@ -28,10 +28,8 @@ PLAIN = dict(steps=STEPS, cfg=1.0)
 
 
 @pytest.fixture(scope="module")
-def pipe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("toy")
-    toy_model.write_toy_checkpoints(root)
-    return ToyPipeline(root)
+def pipe(toy_models):
+    return ToyPipeline(toy_models["root"])
 
 
 def test_the_frozen_text_encoder_still_says_what_the_dit_learnt():

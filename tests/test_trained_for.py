@@ -89,11 +89,9 @@ def test_declaring_rewrites_the_header_only(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def toy_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("toy_models")
-    paths = toy_model.write_toy_checkpoints(root)
-    bridge.set_models_root(root)
-    yield paths
+def toy_root(toy_models):
+    bridge.set_models_root(toy_models["root"])
+    yield toy_models
     bridge.set_models_root(None)
 
 
