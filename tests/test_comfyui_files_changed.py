@@ -95,6 +95,7 @@ def test_a_removed_lora_is_refused_by_name_then_a_clean_run(comfyui_server, tmp_
 def test_an_input_image_deleted_between_queueing_and_running_gives_cores_error(comfyui_server):
     soak.write_images(comfyui_server.base / "input")
     image = comfyui_server.base / "input" / "qi21_deleted_soon.png"
+    comfyui_server.expected_in_log.append(image.name)  # core's LoadImage error names it (on purpose)
     shutil.copyfile(comfyui_server.base / "input" / soak.IMAGES[0], image)
     slow = _lora_prompt(seed=7)
     slow["10"]["inputs"].update(steps=60, width=256, height=256, batch_size=4, keep_cache=False)

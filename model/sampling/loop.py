@@ -302,8 +302,7 @@ def run(model: QwenImage21DiT, spec: RunSpec, services: RunServices = RunService
     caches = RunCaches(model, prefixes, runs, store=services.store, keep_cache=spec.keep_cache,
                        new_cache=services.new_cache, device=device, dtype=dtype, storage=storage,
                        prefix_key=prefix_key, identity=record.kept_identity(model),
-                       phased=next((p.phase_cache() for p in parts if p.phase_cache() is not None), None)
-                       ) if cached else None
+                       phased=next(filter(None, (part.phase_cache() for part in parts)), None)) if cached else None
     interrupt = None if services.check_interrupt is None else EveryBlock(lambda index: services.check_interrupt())
 
     def phase_at(sigma) -> bool:
